@@ -1,0 +1,57 @@
+# Two commands: `make up` runs Ember on one machine; `make test` runs the whole suite.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: up test lint typecheck unit system-deps venv clean bench-loader
+
+## up: install, start a local Redis if EMBER_REDIS_URL is unset, run Ember on :8000
+up: venv system-redis
+	$(VENV)/bin/ember up
+
+## test: install what the tests need, start their services, run lint, types and the suite
+test: venv system-redis system-postgres
+	$(VENV)/bin/ruff check ember tests bench
+	$(VENV)/bin/ruff format --check ember tests bench
+	$(VENV)/bin/mypy
+	$(PY) -m pytest
+
+unit: venv
+	$(PY) -m pytest -m "not infra"
+
+lint: venv
+	$(VENV)/bin/ruff check ember tests bench
+	$(VENV)/bin/ruff format --check ember tests bench
+
+typecheck: venv
+	$(VENV)/bin/mypy
+
+# The venv is rebuilt when pyproject.toml changes. torch is pinned to the CPU build on
+# this disk; an unpinned torch would pull a multi-GB CUDA build.
+venv: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q -e ".[engine,test]"
+	touch $@
+
+APT_INSTALL := DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends
+
+system-redis:
+	@command -v redis-server >/dev/null || { apt-get update -qq && $(APT_INSTALL) redis-server; }
+
+system-postgres:
+	@command -v initdb >/dev/null || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
+	  || { apt-get update -qq && $(APT_INSTALL) postgresql; }
+
+system-deps: system-redis system-postgres
+
+bench-loader: venv
+	$(PY) bench/loader.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

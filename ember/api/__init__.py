@@ -1,0 +1,1 @@
+"""The HTTP API: control routes (register, deploy) and, later, data-plane routes."""

@@ -1,0 +1,100 @@
+"""Deployments: routing (canary, promote, rollback) and pool policy."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Response, status
+
+from ember.api.deps import Cursor, Limit, PrincipalDep, SessionDep
+from ember.registry import deployments
+from ember.registry.schemas import (
+    NAME_PATTERN,
+    CanaryRequest,
+    DeploymentCreate,
+    DeploymentPublic,
+    DeploymentUpdate,
+    Page,
+    PromoteRequest,
+    RevisionPublic,
+)
+
+router = APIRouter(prefix="/v1/deployments", tags=["deployments"])
+DeploymentName = Annotated[str, Path(pattern=NAME_PATTERN, description="Deployment name.")]
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, summary="Create a deployment")
+def create(body: DeploymentCreate, principal: PrincipalDep, session: SessionDep) -> DeploymentPublic:
+    """Serves `version` (which must be `ready`) as `production` at 100 % of traffic."""
+    deployment = deployments.create(session, principal.tenant_id, body)
+    session.commit()
+    return deployments.public(session, deployment)
+
+
+@router.get("", summary="List deployments")
+def list_all(
+    principal: PrincipalDep, session: SessionDep, limit: Limit = 50, cursor: Cursor = None
+) -> Page[DeploymentPublic]:
+    rows, next_cursor = deployments.list_page(session, principal.tenant_id, limit, cursor)
+    return Page(items=[deployments.public(session, d) for d in rows], next_cursor=next_cursor)
+
+
+@router.get("/{name}", summary="Get a deployment")
+def get(name: DeploymentName, principal: PrincipalDep, session: SessionDep) -> DeploymentPublic:
+    return deployments.public(session, deployments.get(session, principal.tenant_id, name))
+
+
+@router.patch("/{name}", summary="Change pool policy or fallback chain")
+def update(
+    name: DeploymentName, body: DeploymentUpdate, principal: PrincipalDep, session: SessionDep
+) -> DeploymentPublic:
+    deployment = deployments.get(session, principal.tenant_id, name)
+    deployments.update(session, deployment, body)
+    session.commit()
+    return deployments.public(session, deployment)
+
+
+@router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT, summary="Delete a deployment")
+def delete(name: DeploymentName, principal: PrincipalDep, session: SessionDep) -> Response:
+    deployments.delete(session, deployments.get(session, principal.tenant_id, name))
+    session.commit()
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.post("/{name}:canary", summary="Send a share of traffic to a new version")
+def canary(
+    name: DeploymentName, body: CanaryRequest, principal: PrincipalDep, session: SessionDep
+) -> DeploymentPublic:
+    deployment = deployments.get(session, principal.tenant_id, name)
+    deployments.canary(session, deployment, body)
+    session.commit()
+    return deployments.public(session, deployment)
+
+
+@router.post("/{name}:promote", summary="Make a version (default: the canary) production")
+def promote(
+    name: DeploymentName,
+    principal: PrincipalDep,
+    session: SessionDep,
+    body: PromoteRequest | None = None,
+) -> DeploymentPublic:
+    deployment = deployments.get(session, principal.tenant_id, name)
+    deployments.promote(session, deployment, body or PromoteRequest())
+    session.commit()
+    return deployments.public(session, deployment)
+
+
+@router.post("/{name}:rollback", summary="Drop the canary, or return to the previous production")
+def rollback(name: DeploymentName, principal: PrincipalDep, session: SessionDep) -> DeploymentPublic:
+    deployment = deployments.get(session, principal.tenant_id, name)
+    deployments.rollback(session, deployment)
+    session.commit()
+    return deployments.public(session, deployment)
+
+
+@router.get("/{name}/revisions", summary="Routing history")
+def history(
+    name: DeploymentName, principal: PrincipalDep, session: SessionDep
+) -> list[RevisionPublic]:
+    deployment = deployments.get(session, principal.tenant_id, name)
+    return [RevisionPublic.model_validate(r) for r in deployments.revisions(session, deployment)]

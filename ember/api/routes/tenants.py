@@ -1,0 +1,82 @@
+"""Tenants and API keys."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, status
+from sqlmodel import col, select
+
+from ember.api.deps import Cursor, Limit, PrincipalDep, SessionDep
+from ember.registry import tenants
+from ember.registry.pagination import paginate
+from ember.registry.schemas import (
+    ApiKeyCreate,
+    ApiKeyCreated,
+    ApiKeyPublic,
+    Page,
+    TenantCreate,
+    TenantPublic,
+)
+from ember.registry.tables import ApiKey, KeyScope, Tenant
+
+router = APIRouter(prefix="/v1", tags=["tenants"])
+
+
+@router.post("/tenants", status_code=status.HTTP_201_CREATED, summary="Create a tenant (admin)")
+def create_tenant(body: TenantCreate, principal: PrincipalDep, session: SessionDep) -> TenantPublic:
+    principal.require_admin()
+    tenant = tenants.create_tenant(session, body.name)
+    session.commit()
+    return TenantPublic.model_validate(tenant)
+
+
+@router.get("/tenants", summary="List tenants (admin)")
+def list_tenants(
+    principal: PrincipalDep, session: SessionDep, limit: Limit = 50, cursor: Cursor = None
+) -> Page[TenantPublic]:
+    principal.require_admin()
+    rows, next_cursor = paginate(session, select(Tenant), col(Tenant.id), limit, cursor)
+    return Page(items=[TenantPublic.model_validate(t) for t in rows], next_cursor=next_cursor)
+
+
+def _key_public(key: ApiKey, tenant: str) -> ApiKeyPublic:
+    return ApiKeyPublic.model_validate({**key.model_dump(), "tenant": tenant})
+
+
+@router.post("/keys", status_code=status.HTTP_201_CREATED, summary="Create an API key")
+def create_key(body: ApiKeyCreate, principal: PrincipalDep, session: SessionDep) -> ApiKeyCreated:
+    """Tenant keys may create tenant keys for their own tenant; admin keys for any tenant,
+    and admin keys. The secret is returned once."""
+    if body.scope is KeyScope.admin or (body.tenant and body.tenant != principal.tenant):
+        principal.require_admin()
+    tenant = tenants.get_tenant(session, body.tenant or principal.tenant)
+    row, secret = tenants.create_key(session, tenant, body.name, body.scope)
+    session.commit()
+    return ApiKeyCreated(**_key_public(row, tenant.name).model_dump(), key=secret)
+
+
+@router.get("/keys", summary="List API keys (never their secrets)")
+def list_keys(
+    principal: PrincipalDep, session: SessionDep, limit: Limit = 50, cursor: Cursor = None
+) -> Page[ApiKeyPublic]:
+    query = select(ApiKey).where(ApiKey.tenant_id == principal.tenant_id)
+    rows, next_cursor = paginate(session, query, col(ApiKey.id), limit, cursor)
+    items = [_key_public(k, principal.tenant) for k in rows]
+    return Page(items=items, next_cursor=next_cursor)
+
+
+@router.delete("/keys/{key_id}", summary="Revoke an API key")
+def revoke_key(
+    key_id: Annotated[int, Path(ge=1, le=2**62)], principal: PrincipalDep,
+    session: SessionDep,
+) -> ApiKeyPublic:
+    row = tenants.revoke_key(session, principal, key_id)
+    session.commit()
+    tenant = session.get(Tenant, row.tenant_id)
+    return _key_public(row, tenant.name if tenant else "")
+
+
+@router.get("/whoami", summary="The tenant and scope of the calling key")
+def whoami(principal: PrincipalDep) -> dict[str, str]:
+    return {"tenant": principal.tenant, "scope": principal.scope.value}

@@ -1,0 +1,107 @@
+"""A small Python client for Ember's HTTP API (what the CLI uses).
+
+Problem responses come back as the matching ``ember.errors`` exception, with the
+problem's ``detail`` and extension members, so callers handle errors by type.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from ember import errors
+
+
+class ClientSettings(BaseSettings):
+    """Where the CLI finds the API: ``EMBER_URL`` and ``EMBER_API_KEY``."""
+
+    model_config = SettingsConfigDict(env_prefix="EMBER_", extra="ignore")
+
+    url: str | None = None
+    """Base URL of the API. Default: ``http://<EMBER_HOST>:<EMBER_PORT>``."""
+    api_key: SecretStr | None = None
+    """API key the CLI sends as a bearer token."""
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+
+    @property
+    def base_url(self) -> str:
+        return self.url or f"http://{self.host}:{self.port}"
+
+
+_BY_STATUS: dict[int, type[errors.EmberError]] = {
+    400: errors.MalformedRequest,
+    401: errors.Unauthenticated,
+    403: errors.Forbidden,
+    404: errors.NotFound,
+    409: errors.Conflict,
+    413: errors.PayloadTooLarge,
+    422: errors.InvalidInput,
+    429: errors.BackPressure,
+    502: errors.EngineError,
+    503: errors.CapacityError,
+}
+
+
+def raise_for_problem(response: httpx.Response) -> None:
+    if response.is_success:
+        return
+    try:
+        body: dict[str, Any] = response.json()
+    except ValueError:
+        body = {"detail": response.text[:500] or response.reason_phrase}
+    detail = str(body.get("detail") or body.get("title") or response.reason_phrase)
+    cls = _BY_STATUS.get(response.status_code, errors.EmberError)
+    extra = {k: v for k, v in body.items() if k not in ("detail", "title", "status")}
+    if cls is errors.BackPressure:
+        retry = float(response.headers.get("Retry-After", "1") or 1)
+        raise errors.BackPressure(detail, retry_after_s=retry)
+    raise cls(detail, **extra)
+
+
+class EmberClient:
+    def __init__(self, base_url: str, api_key: str | None, timeout_s: float = 60) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout_s)
+
+    @classmethod
+    def from_env(cls) -> EmberClient:
+        settings = ClientSettings()
+        key = settings.api_key.get_secret_value() if settings.api_key else None
+        return cls(settings.base_url, key)
+
+    def request(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = self.http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise errors.CapacityError(f"cannot reach Ember at {self.http.base_url}: {exc}") from exc
+        raise_for_problem(response)
+        return response.json() if response.content else None
+
+    def get(self, path: str, **params: Any) -> Any:
+        return self.request("GET", path, params={k: v for k, v in params.items() if v is not None})
+
+    def post(self, path: str, body: Any = None) -> Any:
+        return self.request("POST", path, json=body)
+
+    def patch(self, path: str, body: Any) -> Any:
+        return self.request("PATCH", path, json=body)
+
+    def delete(self, path: str) -> Any:
+        return self.request("DELETE", path)
+
+    def paginate(self, path: str, page_size: int = 100) -> list[Any]:
+        items: list[Any] = []
+        cursor: str | None = None
+        while True:
+            page = self.get(path, limit=page_size, cursor=cursor)
+            items.extend(page["items"])
+            cursor = page["next_cursor"]
+            if not cursor:
+                return items
+
+    def close(self) -> None:
+        self.http.close()

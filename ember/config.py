@@ -1,0 +1,172 @@
+"""Ember settings: one typed object, read from ``EMBER_*`` environment variables.
+
+Every field here is documented in the README's configuration table with its default.
+Build one ``Settings`` at process start (``get_settings()``), validate it, and hand the
+pieces down; nothing reads the environment anywhere else.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated, Literal
+from urllib.parse import urlparse
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+_WEAK_KEYS = {"changethis", "changeme", "admin", "password", "secret"}
+
+
+def _split_csv(value: object) -> object:
+    if isinstance(value, str):
+        return [item.strip() for item in value.split(",") if item.strip()]
+    return value
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="EMBER_", extra="forbid", validate_default=True, frozen=True
+    )
+
+    data_dir: Path = Path(".ember")
+    """Root of everything Ember keeps on one machine: SQLite registry, object store, cache."""
+    host: str = "127.0.0.1"
+    """Address the API binds to."""
+    port: int = Field(8000, ge=1, le=65535)
+    """Port the API listens on."""
+    admin_key: SecretStr | None = None
+    """Admin API key taken on first start; generated and printed once when unset."""
+
+    database_url: str | None = None
+    """SQLAlchemy URL of the registry. Default: ``sqlite:///<data_dir>/registry.db``."""
+    redis_url: str | None = None
+    """Redis for the job queue and shared caches. Unset: ``make up`` starts a local one."""
+
+    object_store_url: str | None = None
+    """Where ``ember models push`` puts artifacts (``file://`` or ``s3://bucket/prefix``).
+    Default: ``file://<data_dir>/objects``."""
+    file_roots: Annotated[list[Path], NoDecode] = Field(default_factory=list)
+    """Extra directories ``file://`` artifact URIs may point into (comma-separated);
+    the object store directory is always allowed."""
+    s3_allowed_buckets: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Buckets ``s3://`` artifact URIs may name (comma-separated); the object store's
+    bucket is always allowed, ``*`` allows any."""
+    s3_endpoint_url: str | None = None
+    """S3-compatible endpoint (moto, MinIO); unset for AWS."""
+    s3_region: str = "us-east-1"
+    """Region for the S3 client."""
+    s3_part_size_bytes: int = Field(8 * 1024 * 1024, ge=5 * 1024 * 1024)
+    """Part size of multipart uploads and ranged GETs."""
+    s3_max_concurrency: int = Field(8, ge=1, le=64)
+    """Parallel S3 requests per transfer."""
+    s3_max_attempts: int = Field(5, ge=1, le=20)
+    """Attempts per S3 request on throttling / 5xx (exponential backoff with jitter)."""
+
+    cache_dir: Path | None = None
+    """NVMe weight cache. Default: ``<data_dir>/cache``."""
+    cache_max_bytes: int = Field(20 * 1024**3, ge=0)
+    """Byte budget of the weight cache (LRU eviction beyond it)."""
+
+    max_request_bytes: int = Field(10 * 1024 * 1024, ge=1024)
+    """Largest request body the API accepts (413 beyond)."""
+    artifact_max_header_bytes: int = Field(100 * 1024 * 1024, ge=1024)
+    """Largest safetensors JSON header Ember will read."""
+    validate_inline_max_bytes: int = Field(64 * 1024 * 1024, ge=0)
+    """Artifacts up to this size are validated before registration returns; larger
+    ones validate in the background (status ``pending`` until done)."""
+
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Lowest level logged."""
+    log_format: Literal["auto", "json", "console"] = "auto"
+    """``auto``: JSON when stderr is not a TTY, human-readable when it is."""
+
+    # --- loader ---
+    s3_retry_base_s: float = Field(0.1, gt=0, le=10)
+    """First backoff of an S3 read retry; doubles per attempt (full jitter)."""
+    s3_retry_max_backoff_s: float = Field(5.0, gt=0, le=120)
+    """Cap of one S3 read retry backoff."""
+    cache_verify_after_s: float = Field(24 * 3600.0, ge=0)
+    """A cache hit re-hashes the entry (sha256) before loading it when its last
+    verification is older than this; 0 verifies on every hit."""
+    cache_lock_timeout_s: float = Field(1800.0, gt=0)
+    """How long a load waits for another thread or process filling the same entry."""
+    loader_threads: int = Field(4, ge=1, le=64)
+    """Parallel reads (and copies) when a local file is placed on the device."""
+    loader_chunk_bytes: int = Field(16 * 1024 * 1024, ge=1024 * 1024, le=256 * 1024 * 1024)
+    """Size of one read when a local file is placed on the device (rounded down to 4 KiB)."""
+    loader_staging_bytes: int = Field(128 * 1024 * 1024, ge=8 * 1024 * 1024, le=1024**3)
+    """Host staging memory per device, allocated and touched once, reused by every load
+    (pinned on CUDA). At most 1 GiB."""
+    loader_direct_io: bool = True
+    """Read pages that are not in the page cache with O_DIRECT (where the filesystem
+    allows it); resident pages are always read through the page cache."""
+
+    @field_validator("file_roots", "s3_allowed_buckets", mode="before")
+    @classmethod
+    def _csv(cls, value: object) -> object:
+        return _split_csv(value)
+
+    @field_validator("admin_key")
+    @classmethod
+    def _strong_admin_key(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None:
+            return None
+        raw = value.get_secret_value()
+        if raw.lower() in _WEAK_KEYS or len(raw) < 16:
+            raise ValueError("EMBER_ADMIN_KEY must be at least 16 characters and not a default")
+        return value
+
+    @field_validator("object_store_url")
+    @classmethod
+    def _store_scheme(cls, value: str | None) -> str | None:
+        if value is not None and urlparse(value).scheme not in ("file", "s3"):
+            raise ValueError("EMBER_OBJECT_STORE_URL must be a file:// or s3:// URL")
+        if value is not None and value.startswith("s3://") and not urlparse(value).netloc:
+            raise ValueError("EMBER_OBJECT_STORE_URL s3:// URL needs a bucket")
+        return value
+
+    @model_validator(mode="after")
+    def _absolute_paths(self) -> Settings:
+        # Resolve once so that a later chdir (uvicorn reload, daemons) cannot move the data.
+        object.__setattr__(self, "data_dir", self.data_dir.expanduser().resolve())
+        roots = [p.expanduser().resolve() for p in self.file_roots]
+        object.__setattr__(self, "file_roots", roots)
+        if self.cache_dir is not None:
+            object.__setattr__(self, "cache_dir", self.cache_dir.expanduser().resolve())
+        return self
+
+    # Derived locations: computed, never stored twice.
+    @property
+    def registry_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.data_dir / 'registry.db'}"
+
+    @property
+    def store_url(self) -> str:
+        return self.object_store_url or (self.data_dir / "objects").as_uri()
+
+    @property
+    def weight_cache_dir(self) -> Path:
+        return self.cache_dir or self.data_dir / "cache"
+
+    @property
+    def allowed_file_roots(self) -> list[Path]:
+        roots = list(self.file_roots)
+        store = urlparse(self.store_url)
+        if store.scheme == "file":
+            roots.insert(0, Path(store.path).resolve())
+        return roots
+
+    @property
+    def allowed_buckets(self) -> set[str]:
+        buckets = set(self.s3_allowed_buckets)
+        store = urlparse(self.store_url)
+        if store.scheme == "s3":
+            buckets.add(store.netloc)
+        return buckets
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read from the environment once."""
+    return Settings()

@@ -1,0 +1,142 @@
+"""Ember's error hierarchy. Services raise these; the API maps them to RFC 9457 in one place.
+
+    EmberError                      500  internal
+    ├── InvalidInput                422  invalid-input
+    │   └── MalformedRequest        400  malformed-request
+    ├── Unauthenticated             401  unauthenticated
+    ├── Forbidden                   403  forbidden
+    ├── NotFound                    404  not-found
+    ├── Conflict                    409  conflict
+    ├── PayloadTooLarge             413  payload-too-large
+    ├── LoaderError                 422  loader-error
+    │   ├── ArtifactError           422  invalid-artifact     (not safetensors, truncated, hostile)
+    │   ├── StoreAccessDenied       422  store-access-denied  (outside the allowed roots/buckets)
+    │   ├── ObjectNotFound          422  artifact-not-found
+    │   ├── ObjectChanged           409  object-changed       (ETag/size moved under us)
+    │   ├── StoreUnavailable        503  store-unavailable    (throttled / 5xx after retries)
+    │   └── CacheCorrupt            500  cache-corrupt
+    ├── CapacityError               503  capacity
+    │   └── BackPressure            429  back-pressure        (carries retry_after_s)
+    └── EngineError                 502  engine-error
+
+Every error carries a human ``detail`` and optional structured ``extra`` fields that end
+up as RFC 9457 extension members, so a client (or the router) can act on them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class EmberError(Exception):
+    status: ClassVar[int] = 500
+    code: ClassVar[str] = "internal"
+    title: ClassVar[str] = "Internal error"
+
+    def __init__(self, detail: str, **extra: Any) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.extra = extra
+
+
+class InvalidInput(EmberError):
+    status = 422
+    code = "invalid-input"
+    title = "Invalid input"
+
+
+class MalformedRequest(InvalidInput):
+    status = 400
+    code = "malformed-request"
+    title = "Malformed request"
+
+
+class Unauthenticated(EmberError):
+    status = 401
+    code = "unauthenticated"
+    title = "Authentication required"
+
+
+class Forbidden(EmberError):
+    status = 403
+    code = "forbidden"
+    title = "Forbidden"
+
+
+class NotFound(EmberError):
+    status = 404
+    code = "not-found"
+    title = "Not found"
+
+
+class Conflict(EmberError):
+    status = 409
+    code = "conflict"
+    title = "Conflict"
+
+
+class PayloadTooLarge(EmberError):
+    status = 413
+    code = "payload-too-large"
+    title = "Payload too large"
+
+
+class LoaderError(EmberError):
+    status = 422
+    code = "loader-error"
+    title = "Artifact could not be loaded"
+
+
+class ArtifactError(LoaderError):
+    code = "invalid-artifact"
+    title = "Invalid artifact"
+
+
+class StoreAccessDenied(LoaderError):
+    code = "store-access-denied"
+    title = "Object store location not allowed"
+
+
+class ObjectNotFound(LoaderError):
+    code = "artifact-not-found"
+    title = "Artifact not found"
+
+
+class ObjectChanged(LoaderError):
+    status = 409
+    code = "object-changed"
+    title = "Object changed while it was read"
+
+
+class StoreUnavailable(LoaderError):
+    status = 503
+    code = "store-unavailable"
+    title = "Object store unavailable"
+
+
+class CacheCorrupt(LoaderError):
+    status = 500
+    code = "cache-corrupt"
+    title = "Cache entry corrupt"
+
+
+class CapacityError(EmberError):
+    status = 503
+    code = "capacity"
+    title = "No capacity"
+
+
+class BackPressure(CapacityError):
+    status = 429
+    code = "back-pressure"
+    title = "Too many requests"
+
+    def __init__(self, detail: str, *, retry_after_s: float = 1.0, **extra: Any) -> None:
+        super().__init__(detail, retry_after_s=retry_after_s, **extra)
+        self.retry_after_s = retry_after_s
+
+
+class EngineError(EmberError):
+    status = 502
+    code = "engine-error"
+    title = "Engine error"

@@ -1,0 +1,103 @@
+"""Structured logging with model-version context.
+
+``configure_logging()`` routes structlog *and* the standard library (uvicorn, celery,
+botocore, alembic) through one processor chain whose first step merges the context
+variables. Inside ``model_context(model, version, ...)`` every line — ours or a
+library's — carries ``model`` and ``version`` (and whatever ids were bound).
+
+Context variables do not cross into worker threads by themselves: submit work with
+``submit_in_context`` (or ``contextvars.copy_context().run``) so threads keep the binding.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import sys
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future
+from contextlib import contextmanager
+from typing import Any, Literal, TypeVar
+
+import structlog
+
+T = TypeVar("T")
+
+_SHARED: list[structlog.typing.Processor] = [
+    structlog.contextvars.merge_contextvars,
+    structlog.stdlib.add_logger_name,
+    structlog.stdlib.add_log_level,
+    structlog.processors.TimeStamper(fmt="iso", utc=True),
+    structlog.processors.StackInfoRenderer(),
+]
+
+
+def configure_logging(
+    level: str = "INFO",
+    fmt: Literal["auto", "json", "console"] = "auto",
+    stream: Any = None,
+) -> None:
+    """Configure structlog and stdlib logging once per process (idempotent)."""
+    stream = stream or sys.stderr
+    as_json = fmt == "json" or (fmt == "auto" and not stream.isatty())
+    renderer: structlog.typing.Processor = (
+        structlog.processors.JSONRenderer()
+        if as_json
+        else structlog.dev.ConsoleRenderer(colors=stream.isatty())
+    )
+    structlog.configure(
+        processors=[*_SHARED, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=False,
+    )
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[*_SHARED, structlog.stdlib.ExtraAdder()],
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+    )
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        if getattr(old, "_ember", False):
+            root.removeHandler(old)
+    handler._ember = True  # type: ignore[attr-defined]
+    root.addHandler(handler)
+    root.setLevel(level)
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "celery"):
+        lib = logging.getLogger(name)
+        lib.handlers.clear()
+        lib.propagate = True
+    for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "alembic.runtime.migration"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(level)))
+
+
+def get_logger(name: str | None = None) -> structlog.stdlib.BoundLogger:
+    logger: structlog.stdlib.BoundLogger = structlog.stdlib.get_logger(name)
+    return logger
+
+
+@contextmanager
+def model_context(model: str, version: str, **ids: Any) -> Iterator[None]:
+    """Bind ``model`` and ``version`` (plus ids such as ``request_id``) to every log line."""
+    with structlog.contextvars.bound_contextvars(model=model, version=version, **ids):
+        yield
+
+
+@contextmanager
+def bound(**ids: Any) -> Iterator[None]:
+    """Bind ids (request_id, job_id, tenant) outside a model context."""
+    with structlog.contextvars.bound_contextvars(**ids):
+        yield
+
+
+def submit_in_context(
+    executor: Executor, fn: Callable[..., T], *args: Any, **kwargs: Any
+) -> Future[T]:
+    """``executor.submit`` that carries the caller's log context into the worker thread."""
+    ctx = contextvars.copy_context()
+    return executor.submit(ctx.run, fn, *args, **kwargs)

@@ -1,0 +1,1 @@
+"""The model registry: tenants, API keys, models, versions, deployments (SQLModel + Alembic)."""

@@ -1,0 +1,206 @@
+"""Wire schemas of the control API, named by purpose (``XCreate``, ``XUpdate``, ``XPublic``).
+
+Every input schema forbids unknown fields, so a typo is a clear 422 instead of a silent
+default.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Annotated, Any, Generic, Literal, TypeVar
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+from ember.registry.tables import KeyScope, VersionStatus
+
+NAME_PATTERN = r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$"
+VERSION_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._+-]{0,61}[A-Za-z0-9])?$"
+Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
+VersionName = Annotated[str, StringConstraints(pattern=VERSION_PATTERN)]
+Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+KNOWN_ENGINES = ("torch", "transformers", "vllm")
+EngineName = Literal["torch", "transformers", "vllm"]
+MAX_DOCUMENT_BYTES = 64 * 1024
+
+
+def _bounded_json(value: Any) -> Any:
+    if value is not None and len(json.dumps(value)) > MAX_DOCUMENT_BYTES:
+        raise ValueError(f"must be at most {MAX_DOCUMENT_BYTES} bytes of JSON")
+    return value
+
+
+JsonObject = Annotated[dict[str, Any], AfterValidator(_bounded_json)]
+
+
+class Input(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Public(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+
+T = TypeVar("T")
+
+
+class Page(BaseModel, Generic[T]):
+    items: list[T]
+    next_cursor: str | None = Field(
+        None, description="Pass as `cursor` to get the next page; null on the last page."
+    )
+
+
+# --- tenants and keys -------------------------------------------------------------------
+
+
+class TenantCreate(Input):
+    name: Name
+
+
+class TenantPublic(Public):
+    name: str
+    created_at: datetime
+
+
+class ApiKeyCreate(Input):
+    name: Name = "default"
+    tenant: Name | None = Field(None, description="Tenant of the key; default: your own.")
+    scope: KeyScope = KeyScope.tenant
+
+
+class ApiKeyPublic(Public):
+    id: int
+    name: str
+    tenant: str
+    scope: KeyScope
+    prefix: str
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+class ApiKeyCreated(ApiKeyPublic):
+    key: str = Field(description="The secret key. Shown once: store it now.")
+
+
+# --- models and versions ----------------------------------------------------------------
+
+
+class ModelCreate(Input):
+    name: Name
+    description: Annotated[str, StringConstraints(max_length=1000)] = ""
+
+
+class ModelPublic(Public):
+    name: str
+    description: str
+    created_at: datetime
+    version_count: int = 0
+    latest_version: str | None = None
+
+
+class ModelVersionCreate(Input):
+    version: VersionName
+    artifact_uri: Annotated[str, StringConstraints(min_length=6, max_length=2048)]
+    engine: EngineName
+    engine_config: JsonObject = Field(default_factory=dict)
+    input_schema: JsonObject | None = None
+    output_schema: JsonObject | None = None
+    sha256: Sha256 | None = Field(None, description="Expected digest; registration fails if the artifact's differs.")
+
+
+class ModelVersionPublic(Public):
+    model: str
+    version: str
+    artifact_uri: str
+    engine: str
+    engine_config: dict[str, Any]
+    input_schema: dict[str, Any] | None
+    output_schema: dict[str, Any] | None
+    status: VersionStatus
+    status_reason: str | None
+    sha256: str | None
+    size_bytes: int | None
+    tensor_count: int | None
+    created_at: datetime
+    validated_at: datetime | None
+
+
+# --- deployments ------------------------------------------------------------------------
+
+
+class PoolPolicy(Input):
+    """How a deployment's replica pool behaves. Every field has a safe default."""
+
+    min_hot: int = Field(1, ge=0, le=1000, description="Replicas kept hot (weights on device).")
+    scale_to_zero: bool = Field(
+        False, description="Explicit opt-out of the warm floor; required for min_hot = 0."
+    )
+    max_replicas: int = Field(4, ge=1, le=1000)
+    target_utilization: float = Field(0.7, gt=0, le=1)
+    max_batch_size: int = Field(32, ge=1, le=4096)
+    max_queue_delay_ms: float = Field(5, ge=0, le=10_000)
+    timeout_ms: int = Field(30_000, ge=1, le=600_000)
+    priority: int = Field(50, ge=0, le=100, description="Higher wins when capacity is short.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PoolPolicy:
+        if self.min_hot == 0 and not self.scale_to_zero:
+            raise ValueError("min_hot = 0 scales the model to zero: set scale_to_zero = true")
+        if self.min_hot > self.max_replicas:
+            raise ValueError(f"min_hot ({self.min_hot}) exceeds max_replicas ({self.max_replicas})")
+        return self
+
+
+POLICY_FIELDS = tuple(PoolPolicy.model_fields)
+
+
+class DeploymentCreate(PoolPolicy):
+    name: Name | None = Field(None, description="Default: the model's name.")
+    model: Name
+    version: VersionName = Field(description="The version that serves as `production`.")
+    fallback: list[VersionName] = Field(default_factory=list, max_length=8)
+
+
+class DeploymentUpdate(Input):
+    """Pool policy and fallback changes; routing changes go through canary/promote/rollback."""
+
+    min_hot: int | None = Field(None, ge=0, le=1000)
+    scale_to_zero: bool | None = None
+    max_replicas: int | None = Field(None, ge=1, le=1000)
+    target_utilization: float | None = Field(None, gt=0, le=1)
+    max_batch_size: int | None = Field(None, ge=1, le=4096)
+    max_queue_delay_ms: float | None = Field(None, ge=0, le=10_000)
+    timeout_ms: int | None = Field(None, ge=1, le=600_000)
+    priority: int | None = Field(None, ge=0, le=100)
+    fallback: list[VersionName] | None = Field(None, max_length=8)
+
+
+class CanaryRequest(Input):
+    version: VersionName
+    weight: int = Field(10, ge=1, le=99, description="Percent of traffic for the canary.")
+
+
+class PromoteRequest(Input):
+    version: VersionName | None = Field(None, description="Default: the current canary.")
+
+
+class DeploymentPublic(PoolPolicy):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    model: str
+    traffic: dict[str, int]
+    aliases: dict[str, str]
+    fallback: list[str]
+    revision: int
+    created_at: datetime
+    updated_at: datetime
+
+
+class RevisionPublic(Public):
+    revision: int
+    traffic: dict[str, int]
+    aliases: dict[str, str]
+    reason: str
+    created_at: datetime
