@@ -7,6 +7,8 @@ pieces down; nothing reads the environment anywhere else.
 
 from __future__ import annotations
 
+import os
+from difflib import get_close_matches
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
@@ -166,7 +168,30 @@ class Settings(BaseSettings):
         return buckets
 
 
+#: EMBER_* variables read by other parts of Ember (the CLI's client), not by ``Settings``.
+CLIENT_VARIABLES = {"EMBER_URL", "EMBER_API_KEY"}
+
+
+def unknown_variables(environ: dict[str, str]) -> list[str]:
+    """EMBER_* variables no setting reads — almost always a typo that would be ignored."""
+    known = {f"EMBER_{name.upper()}" for name in Settings.model_fields} | CLIENT_VARIABLES
+    return sorted(k for k in environ if k.startswith("EMBER_") and k not in known)
+
+
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
-    """The process-wide settings, read from the environment once."""
+    """The process-wide settings, read from the environment once.
+
+    Refuses unknown ``EMBER_*`` variables so that ``EMBER_PROT=9000`` is an error, not a
+    server quietly listening on 8000.
+    """
+    unknown = unknown_variables(dict(os.environ))
+    if unknown:
+        known = [f"EMBER_{n.upper()}" for n in Settings.model_fields]
+        hints = [
+            f"{name} (did you mean {close[0]}?)" if (close := get_close_matches(name, known, 1))
+            else name
+            for name in unknown
+        ]  # fmt: skip
+        raise ValueError(f"unknown setting(s): {', '.join(hints)}")
     return Settings()

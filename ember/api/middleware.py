@@ -50,35 +50,40 @@ class BodyLimit:
             await self._reject(scope, send)
             return
         seen = 0
-        started = False
+        started = rejected = False
 
         async def limited_receive() -> Message:
-            nonlocal seen
+            nonlocal seen, rejected
+            if rejected:
+                return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
-                    raise _TooLarge
+                    # Answer 413 now; the app then sees a disconnect and whatever it tries
+                    # to send afterwards is dropped.
+                    if not started:
+                        await self._reject(scope, send)
+                    rejected = True
+                    return {"type": "http.disconnect"}
             return message
 
-        async def tracking_send(message: Message) -> None:
+        async def guarded_send(message: Message) -> None:
             nonlocal started
+            if rejected:
+                return
             started = started or message["type"] == "http.response.start"
             await send(message)
 
         try:
-            await self.app(scope, limited_receive, tracking_send)
-        except _TooLarge:
-            if not started:
-                await self._reject(scope, send)
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception:
+            if not rejected:
+                raise
 
     async def _reject(self, scope: Scope, send: Send) -> None:
         detail = f"request body exceeds the {self.max_bytes}-byte limit"
         await send_problem(scope, send, 413, "payload-too-large", "Payload too large", detail)
-
-
-class _TooLarge(Exception):
-    pass
 
 
 class JsonBodies:

@@ -39,6 +39,7 @@ PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
         (404, "Not found"),
         (409, "Conflict"),
         (413, "Payload too large"),
+        (415, "Unsupported media type"),
         (422, "Invalid input"),
     ]
 }
