@@ -95,7 +95,7 @@ def up() -> None:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     with friendly_errors():
         redis_url = ensure_redis(settings)
-    out.print(f"redis:    {redis_url.split('@')[-1]}")
+    print(f"redis:    {redis_url.split('@')[-1]}")
     _run_api(settings, reload=False)
 
 
@@ -108,12 +108,13 @@ def _run_api(settings: Settings, reload: bool) -> None:
     configure_logging(settings.log_level, settings.log_format)
     engine, generated = prepare(settings)
     url = f"http://{settings.host}:{settings.port}"
-    out.print(f"Ember {url}  (data: {settings.data_dir})")
+    # Plain print: these lines are meant to be copied, so no wrapping or markup.
+    print(f"Ember {url}  (data: {settings.data_dir})")
     if generated:
-        out.print(f"admin API key (shown once, store it now): [bold]{generated}[/bold]")
-        out.print(f"  export EMBER_API_KEY={generated}")
+        print(f"admin API key (shown once, store it now): {generated}")
+        print(f"  export EMBER_API_KEY={generated}")
     elif settings.admin_key is None:
-        out.print("admin API key: the one printed on first start (or `ember keys create --local`)")
+        print("admin API key: the one printed on first start (or `ember keys create --local`)")
     sys.stdout.flush()
     uvicorn.run(create_app(settings, engine), host=settings.host, port=settings.port,
                 log_config=None, access_log=False, reload=reload)  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -13,7 +14,9 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColu
 from ember.cli import JsonOpt, client, emit, friendly_errors, load_settings, out
 from ember.errors import Conflict, InvalidInput, NotFound
 
-models_app = typer.Typer(help="Models and versions.", no_args_is_help=True, rich_markup_mode="markdown")
+models_app = typer.Typer(
+    help="Models and versions.", no_args_is_help=True, rich_markup_mode="markdown"
+)
 deployments_app = typer.Typer(
     help="Deployments: routing and pool policy.", no_args_is_help=True, rich_markup_mode="markdown"
 )
@@ -92,8 +95,13 @@ def models_register(
 
 @models_app.command("push")
 def models_push(
-    path: Annotated[Path, typer.Argument(exists=True, help="A .safetensors file, or a directory "
-                                         "holding one (plus config/tokenizer files).")],
+    path: Annotated[
+        Path,
+        typer.Argument(
+            exists=True,
+            help="A .safetensors file, or a directory holding one (plus config/tokenizer files).",
+        ),
+    ],
     name: Annotated[str, typer.Option("--name", "-n")],
     version: Annotated[str, typer.Option("--version", "-v")],
     engine: Annotated[str, typer.Option(help="torch | transformers | vllm")] = "torch",
@@ -160,10 +168,8 @@ def _sha256(path: Path) -> str:
 
 
 def _ensure_model(api: Any, name: str) -> None:
-    try:
+    with contextlib.suppress(Conflict):  # already there: fine
         api.post("/v1/models", {"name": name})
-    except Conflict:
-        pass
 
 
 # --- deployments ------------------------------------------------------------------------
@@ -232,7 +238,9 @@ def deployments_canary(
 ) -> None:
     """Send WEIGHT % of traffic to VERSION."""
     with friendly_errors():
-        emit(client().post(f"/v1/deployments/{name}:canary", {"version": version, "weight": weight}))
+        emit(
+            client().post(f"/v1/deployments/{name}:canary", {"version": version, "weight": weight})
+        )
 
 
 @deployments_app.command("promote")

@@ -77,7 +77,9 @@ class EmberClient:
         try:
             response = self.http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
-            raise errors.CapacityError(f"cannot reach Ember at {self.http.base_url}: {exc}") from exc
+            raise errors.CapacityError(
+                f"cannot reach Ember at {self.http.base_url}: {exc}"
+            ) from exc
         raise_for_problem(response)
         return response.json() if response.content else None
 

@@ -28,7 +28,11 @@ def _split_csv(value: object) -> object:
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
-        env_prefix="EMBER_", extra="forbid", validate_default=True, frozen=True
+        env_prefix="EMBER_",
+        extra="forbid",
+        validate_default=True,
+        frozen=True,
+        use_attribute_docstrings=True,
     )
 
     data_dir: Path = Path(".ember")
@@ -43,7 +47,9 @@ class Settings(BaseSettings):
     database_url: str | None = None
     """SQLAlchemy URL of the registry. Default: ``sqlite:///<data_dir>/registry.db``."""
     redis_url: str | None = None
-    """Redis for the job queue and shared caches. Unset: ``make up`` starts a local one."""
+    """Redis for the job queue and shared caches. Unset: ``ember up`` starts a local one."""
+    local_redis_port: int = Field(6390, ge=1, le=65535)
+    """Port of the local Redis that ``ember up`` starts when ``EMBER_REDIS_URL`` is unset."""
 
     object_store_url: str | None = None
     """Where ``ember models push`` puts artifacts (``file://`` or ``s3://bucket/prefix``).
@@ -195,3 +201,18 @@ def get_settings() -> Settings:
         ]  # fmt: skip
         raise ValueError(f"unknown setting(s): {', '.join(hints)}")
     return Settings()
+
+
+def settings_table() -> str:
+    """The README's configuration table, generated from the fields' docstrings."""
+    rows = ["| Variable | Default | Meaning |", "|---|---|---|"]
+    for name, field in Settings.model_fields.items():
+        default = field.default_factory() if field.default_factory else field.default  # type: ignore[call-arg]
+        shown = "unset" if default in (None, []) else f"`{default}`"
+        text = " ".join((field.description or "").split()).replace("``", "`").replace("|", "\\|")
+        rows.append(f"| `EMBER_{name.upper()}` | {shown} | {text} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(settings_table())

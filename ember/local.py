@@ -13,7 +13,6 @@ from ember.errors import CapacityError
 from ember.logs import get_logger
 
 log = get_logger(__name__)
-LOCAL_REDIS_PORT = 6390
 
 
 def _answers(port: int) -> bool:
@@ -30,8 +29,9 @@ def ensure_redis(settings: Settings) -> str:
     once, reused by later starts, persisted with AOF so queued jobs survive restarts)."""
     if settings.redis_url:
         return settings.redis_url
-    url = f"redis://127.0.0.1:{LOCAL_REDIS_PORT}/0"
-    if _answers(LOCAL_REDIS_PORT):
+    port = settings.local_redis_port
+    url = f"redis://127.0.0.1:{port}/0"
+    if _answers(port):
         return url
     exe = shutil.which("redis-server")
     if exe is None:
@@ -42,13 +42,13 @@ def ensure_redis(settings: Settings) -> str:
     workdir: Path = settings.data_dir / "redis"
     workdir.mkdir(parents=True, exist_ok=True)
     subprocess.run(
-        [exe, "--port", str(LOCAL_REDIS_PORT), "--bind", "127.0.0.1", "--dir", str(workdir),
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
          "--appendonly", "yes", "--save", "", "--daemonize", "yes",
          "--pidfile", str(workdir / "redis.pid"), "--logfile", str(workdir / "redis.log")],
         check=True,
     )  # fmt: skip
     deadline = time.monotonic() + 10
-    while not _answers(LOCAL_REDIS_PORT):
+    while not _answers(port):
         if time.monotonic() > deadline:
             raise CapacityError(f"local redis did not start; see {workdir / 'redis.log'}")
         time.sleep(0.1)

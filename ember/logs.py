@@ -72,7 +72,7 @@ def configure_logging(
         lib = logging.getLogger(name)
         lib.handlers.clear()
         lib.propagate = True
-    for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "alembic.runtime.migration"):
+    for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "alembic"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(level)))
 
 

@@ -32,7 +32,7 @@ def wait_until(check: Callable[[], bool], timeout_s: float, what: str) -> None:
         try:
             if check():
                 return
-        except Exception:  # noqa: S110 - the server is not up yet
+        except Exception:
             pass
         time.sleep(0.1)
     raise RuntimeError(f"{what} did not come up within {timeout_s}s")

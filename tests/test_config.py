@@ -45,7 +45,9 @@ def test_environment_overrides(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
         ("EMBER_CACHE_MAX_BYTES", "-1"),
     ],
 )
-def test_bad_values_are_refused_at_start(monkeypatch: pytest.MonkeyPatch, key: str, value: str) -> None:
+def test_bad_values_are_refused_at_start(
+    monkeypatch: pytest.MonkeyPatch, key: str, value: str
+) -> None:
     monkeypatch.setenv(key, value)
     with pytest.raises(ValidationError, match=key.removeprefix("EMBER_").lower()):
         Settings()
@@ -55,7 +57,7 @@ def test_unknown_ember_variables_are_refused(monkeypatch: pytest.MonkeyPatch) ->
     from ember.config import get_settings
 
     monkeypatch.setenv("EMBER_PROT", "9000")
-    with pytest.raises(ValueError, match="EMBER_PROT.*did you mean EMBER_PORT"):
+    with pytest.raises(ValueError, match=r"EMBER_PROT.*did you mean EMBER_PORT"):
         get_settings()
     monkeypatch.delenv("EMBER_PROT")
     monkeypatch.setenv("EMBER_API_KEY", "client-side")

@@ -53,7 +53,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         version=ember.__version__,
         summary="Serverless-style model platform: register, deploy and call model versions.",
         lifespan=lifespan,
-        responses=problems.PROBLEM_RESPONSES,  # type: ignore[arg-type]
+        responses=problems.PROBLEM_RESPONSES,
     )
     app.state.settings = settings
     problems.install(app)

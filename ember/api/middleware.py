@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import uuid
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ember.api.problems import PROBLEM_JSON, TYPE_BASE
@@ -110,10 +111,10 @@ class JsonBodies:
         else:
             media = ctype.split(b";")[0].strip().lower()
             if media != b"application/json" and not media.endswith(b"+json"):
-                await send_problem(
-                    scope, send, 415, "unsupported-media-type", "Unsupported media type",
-                    f"send JSON with Content-Type: application/json (got {media.decode('latin-1')!r})",
-                )  # fmt: skip
+                got = media.decode("latin-1")
+                detail = f"send JSON with Content-Type: application/json (got {got!r})"
+                title = "Unsupported media type"
+                await send_problem(scope, send, 415, "unsupported-media-type", title, detail)
                 return
         await self.app(scope, receive, send)
 
@@ -124,6 +125,9 @@ async def send_problem(
     body = {"type": TYPE_BASE + code, "title": title, "status": status, "detail": detail,
             "instance": scope.get("path", "")}  # fmt: skip
     raw = json.dumps(body).encode()
-    headers = [(b"content-type", PROBLEM_JSON.encode()), (b"content-length", str(len(raw)).encode())]
+    headers = [
+        (b"content-type", PROBLEM_JSON.encode()),
+        (b"content-length", str(len(raw)).encode()),
+    ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": raw})

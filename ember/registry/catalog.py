@@ -111,7 +111,9 @@ def register_version(
         try:
             session.flush()
         except IntegrityError as exc:
-            raise Conflict(f"version {body.version!r} of model {model.name!r} already exists") from exc
+            raise Conflict(
+                f"version {body.version!r} of model {model.name!r} already exists"
+            ) from exc
         log.info("version registered", status=version.status.value, uri=body.artifact_uri)
     return version
 

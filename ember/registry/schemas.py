@@ -10,7 +10,14 @@ import json
 from datetime import datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    model_validator,
+)
 
 from ember.registry.tables import KeyScope, VersionStatus
 
@@ -106,7 +113,9 @@ class ModelVersionCreate(Input):
     engine_config: JsonObject = Field(default_factory=dict)
     input_schema: JsonObject | None = None
     output_schema: JsonObject | None = None
-    sha256: Sha256 | None = Field(None, description="Expected digest; registration fails if the artifact's differs.")
+    sha256: Sha256 | None = Field(
+        None, description="Expected digest; registration fails if the artifact's differs."
+    )
 
 
 class ModelVersionPublic(Public):

@@ -14,12 +14,12 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
-class KeyScope(str, enum.Enum):
+class KeyScope(enum.StrEnum):
     admin = "admin"
     tenant = "tenant"
 
 
-class VersionStatus(str, enum.Enum):
+class VersionStatus(enum.StrEnum):
     pending = "pending"
     ready = "ready"
     failed = "failed"

@@ -62,8 +62,10 @@ def api_settings(data_dir: Path, registry_url: str, store_dir: Path) -> Settings
 
 @pytest.fixture
 def api(api_settings: Settings) -> Iterator[Api]:
-    with services.serve_app(create_app(api_settings)) as url:
-        with httpx.Client(
+    with (
+        services.serve_app(create_app(api_settings)) as url,
+        httpx.Client(
             base_url=url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30
-        ) as admin:
-            yield Api(url, admin, api_settings)
+        ) as admin,
+    ):
+        yield Api(url, admin, api_settings)

@@ -30,10 +30,11 @@ BAD_FILES: dict[str, tuple[bytes, str]] = {
         "out of range",
     ),
     "overlapping offsets": (
-        raw_artifact({"a": F32, "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}},
-                     b"\0" * 12),
+        raw_artifact(
+            {"a": F32, "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12
+        ),
         "overlap",
-    ),  # fmt: skip
+    ),
     "unknown dtype": (
         raw_artifact({"w": {"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8),
         "unknown dtype",
@@ -97,13 +98,19 @@ def test_s3_bucket_not_allowed_by_configuration(api: Api, moto_endpoint: str) ->
     api.admin.post("/v1/models", json={"name": "m"})
     body = {"version": "1", "artifact_uri": "s3://not-ours/w.safetensors", "engine": "torch"}
     detail = problem(api.admin.post("/v1/models/m/versions", json=body), 422, "store-access-denied")
-    assert "not-ours" in str(detail["detail"]) and "EMBER_S3_ALLOWED_BUCKETS" in str(detail["detail"])
+    assert "not-ours" in str(detail["detail"]) and "EMBER_S3_ALLOWED_BUCKETS" in str(
+        detail["detail"]
+    )
 
 
 def test_malformed_json_and_unknown_fields(api: Api) -> None:
     raw = {"content-type": "application/json"}
-    problem(api.admin.post("/v1/models", content=b'{"name": ', headers=raw), 400, "malformed-request")
-    problem(api.admin.post("/v1/models", content=b"\xff\xfe", headers=raw), 400, "malformed-request")
+    problem(
+        api.admin.post("/v1/models", content=b'{"name": ', headers=raw), 400, "malformed-request"
+    )
+    problem(
+        api.admin.post("/v1/models", content=b"\xff\xfe", headers=raw), 400, "malformed-request"
+    )
     body = problem(api.admin.post("/v1/models", json={"name": "m", "colour": "red"}), 422,
                    "invalid-input")  # fmt: skip
     assert "colour" in str(body["detail"])
@@ -124,7 +131,9 @@ def test_oversized_requests_are_refused_before_they_are_read(api: Api) -> None:
         for _ in range(100):
             yield b" " * 4096
 
-    response = api.admin.post("/v1/models", content=chunks(), headers={"content-type": "application/json"})
+    response = api.admin.post(
+        "/v1/models", content=chunks(), headers={"content-type": "application/json"}
+    )
     problem(response, 413, "payload-too-large")
 
 

@@ -47,7 +47,9 @@ def test_canary_promote_and_rollback(api: Api, store_dir: Path) -> None:
 
 def test_only_ready_versions_serve(api: Api, store_dir: Path) -> None:
     deploy(api, store_dir, ("1",))
-    problem(api.admin.post("/v1/deployments/minilm:canary", json={"version": "9"}), 404, "not-found")
+    problem(
+        api.admin.post("/v1/deployments/minilm:canary", json={"version": "9"}), 404, "not-found"
+    )
     problem(api.admin.post("/v1/deployments", json={"model": "nope", "version": "1"}), 404,
             "not-found")  # fmt: skip
     problem(api.admin.post("/v1/deployments/minilm:promote"), 409, "conflict")  # no canary

@@ -24,7 +24,9 @@ DeploymentName = Annotated[str, Path(pattern=NAME_PATTERN, description="Deployme
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, summary="Create a deployment")
-def create(body: DeploymentCreate, principal: PrincipalDep, session: SessionDep) -> DeploymentPublic:
+def create(
+    body: DeploymentCreate, principal: PrincipalDep, session: SessionDep
+) -> DeploymentPublic:
     """Serves `version` (which must be `ready`) as `production` at 100 % of traffic."""
     deployment = deployments.create(session, principal.tenant_id, body)
     session.commit()
@@ -85,7 +87,9 @@ def promote(
 
 
 @router.post("/{name}:rollback", summary="Drop the canary, or return to the previous production")
-def rollback(name: DeploymentName, principal: PrincipalDep, session: SessionDep) -> DeploymentPublic:
+def rollback(
+    name: DeploymentName, principal: PrincipalDep, session: SessionDep
+) -> DeploymentPublic:
     deployment = deployments.get(session, principal.tenant_id, name)
     deployments.rollback(session, deployment)
     session.commit()

@@ -68,7 +68,8 @@ def list_keys(
 
 @router.delete("/keys/{key_id}", summary="Revoke an API key")
 def revoke_key(
-    key_id: Annotated[int, Path(ge=1, le=2**62)], principal: PrincipalDep,
+    key_id: Annotated[int, Path(ge=1, le=2**62)],
+    principal: PrincipalDep,
     session: SessionDep,
 ) -> ApiKeyPublic:
     row = tenants.revoke_key(session, principal, key_id)
