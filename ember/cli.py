@@ -193,6 +193,7 @@ from ember.cli_models import deployments_app, models_app  # noqa: E402
 
 app.add_typer(models_app, name="models")
 app.add_typer(deployments_app, name="deployments")
+import ember.cli_engine  # noqa: E402,F401 - registers `ember engine`
 
 
 if __name__ == "__main__":

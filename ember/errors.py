@@ -17,7 +17,9 @@
     │   └── CacheCorrupt            500  cache-corrupt
     ├── CapacityError               503  capacity
     │   └── BackPressure            429  back-pressure        (carries retry_after_s)
-    └── EngineError                 502  engine-error
+    ├── EngineError                 502  engine-error
+    │   └── NotReady                503  not-ready            (loading, or not hot)
+    └── DeadlineExceeded            504  deadline-exceeded    (dropped before compute)
 
 Every error carries a human ``detail`` and optional structured ``extra`` fields that end
 up as RFC 9457 extension members, so a client (or the router) can act on them.
@@ -140,3 +142,15 @@ class EngineError(EmberError):
     status = 502
     code = "engine-error"
     title = "Engine error"
+
+
+class NotReady(EngineError):
+    status = 503
+    code = "not-ready"
+    title = "Replica not ready"
+
+
+class DeadlineExceeded(EmberError):
+    status = 504
+    code = "deadline-exceeded"
+    title = "Deadline exceeded"

@@ -23,8 +23,18 @@ import structlog
 
 T = TypeVar("T")
 
+_PROCESS: dict[str, Any] = {}
+
+
+def _merge_process(_logger: Any, _method: str, event: dict[str, Any]) -> dict[str, Any]:
+    for key, value in _PROCESS.items():
+        event.setdefault(key, value)
+    return event
+
+
 _SHARED: list[structlog.typing.Processor] = [
     structlog.contextvars.merge_contextvars,
+    _merge_process,
     structlog.stdlib.add_logger_name,
     structlog.stdlib.add_log_level,
     structlog.processors.TimeStamper(fmt="iso", utc=True),
@@ -101,3 +111,9 @@ def submit_in_context(
     """``executor.submit`` that carries the caller's log context into the worker thread."""
     ctx = contextvars.copy_context()
     return executor.submit(ctx.run, fn, *args, **kwargs)
+
+
+def bind_process(**fields: Any) -> None:
+    """Fields on every line this process logs, from any thread (a replica binds its
+    model, version and replica id once; a standby rebinds when it is assigned)."""
+    _PROCESS.update(fields)

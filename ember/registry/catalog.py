@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import func
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
@@ -166,3 +168,17 @@ def require_ready(model: Model, row: ModelVersion) -> None:
             "only ready versions can serve",
             status=row.status.value,
         )
+
+
+def version_spec(model: Model, row: ModelVersion) -> dict[str, Any]:
+    """What a replica needs to serve ``row`` (``ember.engine.spec.VersionSpec`` fields)."""
+    return {
+        "model": model.name,
+        "version": row.version,
+        "artifact_uri": row.artifact_uri,
+        "sha256": row.sha256 or "",
+        "engine": row.engine,
+        "engine_config": row.engine_config,
+        "input_schema": row.input_schema,
+        "output_schema": row.output_schema,
+    }

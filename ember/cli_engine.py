@@ -1,0 +1,90 @@
+"""``ember engine``: run one replica (the pools controller starts these)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ember.cli import app, err, friendly_errors, load_settings
+
+
+def _spec_from_registry(model: str, version: str, tenant: str) -> dict[str, object]:
+    from ember.api.app import prepare
+    from ember.registry import catalog
+    from ember.registry.db import session_scope
+    from ember.registry.tenants import get_tenant
+
+    engine, _ = prepare(load_settings())
+    with session_scope(engine) as session:
+        row_tenant = get_tenant(session, tenant)
+        found = catalog.get_model(session, row_tenant.id or 0, model)
+        row = catalog.get_version(session, found, version)
+        catalog.require_ready(found, row)
+        return catalog.version_spec(found, row)
+
+
+@app.command()
+def engine(
+    port: Annotated[int, typer.Option(help="Port of the replica's internal API.")],
+    host: Annotated[str, typer.Option(help="Bind address (loopback by default).")] = "127.0.0.1",
+    spec_file: Annotated[Path | None, typer.Option(help="VersionSpec JSON to serve.")] = None,
+    model: Annotated[str | None, typer.Option(help="Serve this model (from the registry).")] = None,
+    version: Annotated[str | None, typer.Option(help="... at this version.")] = None,
+    tenant: Annotated[str, typer.Option(help="Tenant owning --model.")] = "default",
+    standby: Annotated[bool, typer.Option(help="Start with no version; wait for /assign.")] = False,
+    device: Annotated[str, typer.Option(help="cpu, cuda, cuda:1, ...")] = "cpu",
+    replica_id: Annotated[str | None, typer.Option(help="Id in logs and headers.")] = None,
+    max_batch_size: Annotated[int, typer.Option()] = 32,
+    max_queue_delay_ms: Annotated[float, typer.Option()] = 5.0,
+    max_queue: Annotated[int, typer.Option(help="Queued instances per priority.")] = 1024,
+    max_input_size: Annotated[int, typer.Option(help="Tokens/elements per instance.")] = 8192,
+    max_batch_units: Annotated[int, typer.Option(help="Input size per batch.")] = 65536,
+    threads: Annotated[int | None, typer.Option(help="Override the cgroup CPU quota.")] = None,
+) -> None:
+    """Run one replica of one model version (or a standby process) on HOST:PORT."""
+    from ember.engine.threads import apply_thread_limits, cpu_budget
+
+    budget = cpu_budget(override=threads)
+    apply_thread_limits(budget)  # before torch is imported: OpenMP reads it once
+    settings = load_settings()
+    with friendly_errors():
+        if spec_file is not None:
+            raw = json.loads(spec_file.read_text())
+        elif model and version:
+            raw = _spec_from_registry(model, version, tenant)
+        elif standby:
+            raw = None
+        else:
+            err.print("[red]give --spec-file, --model and --version, or --standby[/red]")
+            raise typer.Exit(2)
+    _serve_replica(settings, raw, host, port, device, replica_id, budget, {
+        "max_batch_size": max_batch_size, "max_queue_delay_ms": max_queue_delay_ms,
+        "max_queue": max_queue, "max_input_size": max_input_size,
+        "max_batch_units": max_batch_units,
+    })  # fmt: skip
+
+
+def _serve_replica(settings, raw, host, port, device, replica_id, budget, policy):  # type: ignore[no-untyped-def]
+    import uvicorn
+
+    from ember.engine.replica import Replica
+    from ember.engine.server import create_replica_app
+    from ember.engine.spec import BatchPolicy, VersionSpec
+    from ember.engine.threads import apply_thread_limits
+    from ember.logs import bind_process, configure_logging, get_logger
+
+    configure_logging(settings.log_level, settings.log_format)
+    import torch  # noqa: F401 - the runtime is imported before serving (standby = warm imports)
+
+    apply_thread_limits(budget)
+    spec = VersionSpec.model_validate(raw) if raw is not None else None
+    replica = Replica(settings, BatchPolicy(**policy), device, replica_id)
+    if spec is not None:
+        bind_process(model=spec.model, version=spec.version)
+    get_logger(__name__).info("replica starting", threads=budget.threads, threads_source=budget.source,
+                              port=port, standby=spec is None)  # fmt: skip
+    uvicorn.run(create_replica_app(replica, spec), host=host, port=port, log_config=None,
+                access_log=False)  # fmt: skip

@@ -1,0 +1,1 @@
+"""Example models that need no hub: built or shipped locally."""

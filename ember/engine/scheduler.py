@@ -1,0 +1,239 @@
+"""Bounded priority queues and a dynamic batcher in front of one engine.
+
+Requests are split into instances; each instance waits in the queue of its priority
+class (health > online > async > batch). The batcher takes the highest classes first and
+dispatches when ``max_batch_size`` instances are waiting or the oldest has waited
+``max_queue_delay_ms`` — health probes never wait for a batch to fill. Forward passes
+run on one compute thread so the event loop keeps answering (probes, metrics, 429s)
+while the model computes. An instance whose deadline passed is dropped before compute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from ember.engine.base import Engine, Sized
+from ember.engine.metrics import EngineMetrics
+from ember.engine.spec import BatchPolicy, Priority
+from ember.errors import BackPressure, DeadlineExceeded, EmberError, EngineError, PayloadTooLarge
+from ember.logs import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass(eq=False, slots=True)
+class Item:
+    sized: Sized
+    priority: Priority
+    deadline: float
+    future: asyncio.Future[Any]
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, policy: BatchPolicy, metrics: EngineMetrics) -> None:
+        self.engine = engine
+        self.policy = policy
+        self.metrics = metrics
+        self.queues: dict[Priority, deque[Item]] = {p: deque() for p in Priority}
+        self.inflight_units = 0.0
+        self._wakeup = asyncio.Event()
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix="ember-forward")
+        self._task: asyncio.Task[None] | None = None
+
+    # --- submission -----------------------------------------------------------------
+
+    async def submit(
+        self, instances: Sequence[Any], priority: Priority, timeout_ms: float | None = None
+    ) -> list[Any]:
+        """Outputs for ``instances`` in order; raises a typed ``EmberError`` otherwise."""
+        sized = [self._admit_one(value) for value in instances]
+        queue = self.queues[priority]
+        if priority is not Priority.health and len(queue) + len(sized) > self.policy.max_queue:
+            self.metrics.reject("queue_full", len(sized))
+            raise BackPressure(
+                f"the {priority.label} queue is full ({len(queue)} of {self.policy.max_queue} "
+                f"instances waiting)",
+                retry_after_s=max(1.0, self.policy.max_queue_delay_ms / 1000),
+                queued=len(queue),
+                max_queued=self.policy.max_queue,
+                priority=priority.label,
+            )
+        timeout_s = (timeout_ms or self.policy.default_timeout_ms) / 1000
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + timeout_s
+        items = [Item(s, priority, deadline, loop.create_future()) for s in sized]
+        queue.extend(items)
+        self._account(priority, sum(self._units(i) for i in items))
+        self._wakeup.set()
+        started = time.monotonic()
+        try:
+            results = await asyncio.wait_for(
+                asyncio.gather(*(i.future for i in items)), timeout=timeout_s
+            )
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"no answer within the {timeout_s * 1000:.0f} ms deadline", timeout_ms=timeout_s * 1000
+            ) from None
+        finally:
+            for item in items:  # a caller that gave up must not be computed for
+                if not item.future.done():
+                    item.future.cancel()
+        self.metrics.latency.labels(**self.metrics.labels, priority=priority.label).observe(
+            time.monotonic() - started
+        )
+        return list(results)
+
+    def _admit_one(self, value: Any) -> Sized:
+        sized = self.engine.prepare(value)
+        if sized.input_size > self.policy.max_input_size:
+            self.metrics.reject("input_too_large")
+            raise PayloadTooLarge(
+                f"an instance of size {sized.input_size} exceeds this replica's limit of "
+                f"{self.policy.max_input_size}",
+                input_size=sized.input_size,
+                max_input_size=self.policy.max_input_size,
+            )
+        return sized
+
+    def _units(self, item: Item) -> float:
+        return self.engine.spec.cost_model.cost(item.sized.input_size, item.sized.output_size)
+
+    def _account(self, priority: Priority, units: float) -> None:
+        self.inflight_units += units
+        self.metrics.inflight_units.labels(**self.metrics.labels).set(self.inflight_units)
+        self.metrics.depth(priority, len(self.queues[priority]))
+
+    @property
+    def queued(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+    # --- batching -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="ember-batcher")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._compute.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self) -> None:
+        while True:
+            await self._wait_for_batch()
+            batch = self._take_batch()
+            if batch:
+                await self._dispatch(batch)
+
+    async def _wait_for_batch(self) -> None:
+        """Return when a batch should go: full, oldest waited long enough, or a probe."""
+        while True:
+            self._drop_dead()
+            head = self._oldest()
+            if head is not None:
+                full = self.queued >= self.policy.max_batch_size
+                waited = time.monotonic() - head.enqueued
+                delay = self.policy.max_queue_delay_ms / 1000
+                if full or head.priority is Priority.health or waited >= delay:
+                    return
+                timeout: float | None = delay - waited
+            else:
+                timeout = None
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), timeout)
+            except TimeoutError:
+                pass
+
+    def _oldest(self) -> Item | None:
+        heads = [q[0] for q in self.queues.values() if q]
+        if not heads:
+            return None
+        probes = [h for h in heads if h.priority is Priority.health]
+        return probes[0] if probes else min(heads, key=lambda i: i.enqueued)
+
+    def _drop_dead(self) -> None:
+        """Drop cancelled items, and fail expired ones before they cost compute."""
+        now = time.monotonic()
+        for priority, queue in self.queues.items():
+            kept: deque[Item] = deque()
+            dropped = 0.0
+            for item in queue:
+                if item.future.done():
+                    dropped += self._units(item)
+                elif item.deadline <= now:
+                    item.future.set_exception(
+                        DeadlineExceeded("the deadline passed while the request was queued")
+                    )
+                    self.metrics.reject("deadline")
+                    dropped += self._units(item)
+                else:
+                    kept.append(item)
+            if len(kept) != len(queue):
+                self.queues[priority] = kept
+                self._account(priority, -dropped)
+
+    def _take_batch(self) -> list[Item]:
+        batch: list[Item] = []
+        units = 0
+        for priority in Priority:  # highest class first
+            queue = self.queues[priority]
+            while queue and len(batch) < self.policy.max_batch_size:
+                size = queue[0].sized.input_size
+                if batch and units + size > self.policy.max_batch_units:
+                    return batch
+                batch.append(queue.popleft())
+                units += size
+            self.metrics.depth(priority, len(queue))
+        return batch
+
+    async def _dispatch(self, batch: list[Item]) -> None:
+        loop = asyncio.get_running_loop()
+        values = [i.sized.value for i in batch]
+        try:
+            outputs = await loop.run_in_executor(self._compute, self.engine.forward, values)
+            if len(outputs) != len(batch):
+                raise EngineError(f"engine returned {len(outputs)} outputs for {len(batch)} inputs")
+        except Exception as exc:
+            await self._isolate(batch, exc)
+        else:
+            self._finish(batch, outputs)
+
+    async def _isolate(self, batch: list[Item], exc: Exception) -> None:
+        """One bad instance must not fail its batch-mates: retry them one by one."""
+        if len(batch) == 1:
+            log.warning("forward pass failed", error=str(exc)[:300])
+            self._fail(batch[0], exc)
+            self._finish([], [], counted=batch)
+            return
+        for item in batch:
+            await self._dispatch([item])
+
+    def _fail(self, item: Item, exc: Exception) -> None:
+        if item.future.done():
+            return
+        if isinstance(exc, EmberError):
+            item.future.set_exception(exc)
+        else:
+            item.future.set_exception(EngineError(f"inference failed: {type(exc).__name__}: {exc}"))
+
+    def _finish(self, batch: list[Item], outputs: list[Any], counted: list[Item] | None = None) -> None:
+        for item, output in zip(batch, outputs, strict=True):
+            if not item.future.done():
+                item.future.set_result(output)
+        done = counted or batch
+        self.inflight_units -= sum(self._units(i) for i in done)
+        self.metrics.inflight_units.labels(**self.metrics.labels).set(max(0.0, self.inflight_units))
+        self.metrics.forward_passes.labels(**self.metrics.labels).inc()
+        self.metrics.batch_size.labels(**self.metrics.labels).observe(len(done))
+        self.metrics.inferences.labels(**self.metrics.labels).inc(len(done))

@@ -1,0 +1,115 @@
+"""The replica's internal HTTP API (loopback by default; the pools controller and the
+gateway call it, clients never do)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Header, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from ember.api import problems
+from ember.api.middleware import BodyLimit, RequestContext
+from ember.engine.replica import Replica
+from ember.engine.spec import Priority, Tier, VersionSpec
+from ember.errors import InvalidInput
+from ember.logs import get_logger
+
+log = get_logger(__name__)
+
+
+class InferRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    instances: list[Any] = Field(min_length=1, max_length=100_000)
+    priority: str = "online"
+    timeout_ms: float | None = Field(None, gt=0, le=3_600_000)
+
+
+class TierRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tier: Tier
+
+
+def create_replica_app(replica: Replica, spec: VersionSpec | None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loading = asyncio.create_task(replica.assign(spec)) if spec is not None else None
+        try:
+            yield
+        finally:
+            if loading is not None and not loading.done():
+                loading.cancel()
+            await replica.close()
+
+    app = FastAPI(title="Ember replica", lifespan=lifespan, openapi_url=None)
+    app.state.replica = replica
+    problems.install(app)
+    app.add_middleware(BodyLimit, max_bytes=replica.settings.max_request_bytes)
+    app.add_middleware(RequestContext)
+
+    def headers() -> dict[str, str]:
+        s = replica.spec
+        base = {"X-Ember-Replica": replica.replica_id}
+        return base | ({"X-Ember-Model": s.model, "X-Ember-Version": s.version} if s else {})
+
+    @app.post("/infer")
+    async def infer(
+        body: InferRequest, response: Response,
+        x_ember_priority: Annotated[str | None, Header()] = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        try:
+            priority = Priority.parse(x_ember_priority or body.priority)
+        except ValueError as exc:
+            raise InvalidInput(str(exc)) from exc
+        if priority is Priority.health:
+            raise InvalidInput("the health class is reserved for probes")
+        outputs = await replica.infer(body.instances, priority, body.timeout_ms)
+        response.headers.update(headers())
+        assert replica.spec is not None
+        return {"predictions": outputs, "model": replica.spec.model,
+                "version": replica.spec.version}  # fmt: skip
+
+    @app.get("/healthz")
+    async def healthz() -> JSONResponse:
+        """Black-box liveness: a real forward pass when hot, at the highest priority."""
+        if replica.state == "failed":
+            return JSONResponse({"status": "failed", "reason": replica.failure}, 503)
+        if replica.state == "ready":  # standby and loading are alive without a model
+            await replica.probe()
+        return JSONResponse({"status": "ok", "state": replica.state, "tier": replica.tier.value},
+                            headers=headers())  # fmt: skip
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        ready = replica.state == "ready" and replica.tier is Tier.hot
+        body = {"ready": ready, "state": replica.state, "tier": replica.tier.value}
+        return JSONResponse(body, 200 if ready else 503, headers=headers())
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        data = replica.metrics.render() if replica.metrics else b""
+        return Response(data, media_type="text/plain; version=0.0.4")
+
+    @app.post("/tier")
+    async def tier(body: TierRequest) -> dict[str, Any]:
+        await replica.set_tier(body.tier)
+        return replica.info()
+
+    @app.post("/assign")
+    async def assign(body: VersionSpec, request: Request) -> JSONResponse:
+        """Give a standby process its version; answers once it is loaded (or failed)."""
+        await replica.assign(body)
+        status = 200 if replica.state == "ready" else 503
+        return JSONResponse(replica.info(), status)
+
+    @app.get("/info")
+    async def info() -> dict[str, Any]:
+        return replica.info()
+
+    return app

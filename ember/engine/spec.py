@@ -1,0 +1,76 @@
+"""What a replica serves: a model version, resolved from the registry. Torch-free."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ember.costmodel import CostModel
+
+
+class Tier(enum.StrEnum):
+    """What is alive in a replica (DESIGN.md, "Replica tiers")."""
+
+    hot = "hot"
+    """Weights on the device: serving."""
+    warm = "warm"
+    """Weights in host RAM: one host-to-device copy from hot."""
+    standby = "standby"
+    """Runtime imported, no weights: one load from the NVMe cache from hot."""
+
+
+class Priority(enum.IntEnum):
+    """Request classes, highest first; lower numbers are served first."""
+
+    health = 0
+    online = 1
+    async_ = 2
+    batch = 3
+
+    @classmethod
+    def parse(cls, name: str) -> Priority:
+        key = "async_" if name == "async" else name
+        try:
+            return cls[key]
+        except KeyError:
+            raise ValueError(f"priority must be one of online, async, batch (got {name!r})") from None
+
+    @property
+    def label(self) -> str:
+        return "async" if self is Priority.async_ else self.name
+
+
+class VersionSpec(BaseModel):
+    """Everything a replica needs to serve one version (sent by the pools controller)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str
+    version: str
+    artifact_uri: str
+    sha256: str
+    engine: str
+    engine_config: dict[str, Any] = Field(default_factory=dict)
+    input_schema: dict[str, Any] | None = None
+    output_schema: dict[str, Any] | None = None
+    cost: dict[str, float] | None = None
+    """Calibrated ``CostModel`` fields for this hardware, if known."""
+
+    @property
+    def cost_model(self) -> CostModel:
+        return CostModel.from_dict(self.cost)
+
+
+class BatchPolicy(BaseModel):
+    """The replica's scheduling limits (from the deployment's pool policy)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_batch_size: int = Field(32, ge=1, le=4096)
+    max_queue_delay_ms: float = Field(5.0, ge=0, le=10_000)
+    max_queue: int = Field(1024, ge=1, description="Queued instances per priority class.")
+    max_input_size: int = Field(8192, ge=1, description="Tokens / elements per instance.")
+    max_batch_units: int = Field(65536, ge=1, description="Input size summed over a batch.")
+    default_timeout_ms: int = Field(30_000, ge=1)

@@ -1,0 +1,101 @@
+"""``torch`` engine: a module built by an importable factory, weights from the artifact.
+
+engine_config::
+
+    {"factory": "package.module:build", "kwargs": {...}}
+
+input_schema (optional, checked per instance)::
+
+    {"shape": [16], "dtype": "float32"}
+
+Each instance is a nested list of numbers of that shape; the output is the module's
+output for it, as nested lists.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ember.config import Settings
+from ember.engine.base import Engine, Sized, import_object, register_engine
+from ember.engine.spec import Tier, VersionSpec
+from ember.engine.weights import build_and_load
+from ember.errors import InvalidInput
+from ember.logs import get_logger
+
+log = get_logger(__name__)
+DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64,
+          "int64": np.int64, "int32": np.int32}  # fmt: skip
+
+
+@register_engine("torch")
+class TorchEngine(Engine):
+    def __init__(self, spec: VersionSpec, settings: Settings, device: str = "cpu") -> None:
+        super().__init__(spec, settings, device)
+        config = spec.engine_config
+        if not isinstance(config.get("factory"), str):
+            raise InvalidInput("torch engine_config needs 'factory': 'package.module:callable'")
+        self.factory = import_object(config["factory"])
+        self.kwargs: dict[str, Any] = dict(config.get("kwargs") or {})
+        schema = spec.input_schema or {}
+        self.shape: tuple[int, ...] | None = tuple(schema["shape"]) if "shape" in schema else None
+        dtype = schema.get("dtype", "float32")
+        if dtype not in DTYPES:
+            raise InvalidInput(f"input_schema dtype {dtype!r} is not one of {sorted(DTYPES)}")
+        self.dtype = DTYPES[dtype]
+        self.module: torch.nn.Module | None = None
+        self._pin: Any = None
+
+    def load(self) -> None:
+        def build() -> torch.nn.Module:
+            module = self.factory(**self.kwargs)
+            if not isinstance(module, torch.nn.Module):
+                factory = self.spec.engine_config["factory"]
+                raise InvalidInput(f"{factory} did not return a torch module")
+            return module
+
+        module, loaded = build_and_load(build, self.spec, self.settings, self.device)
+        self.module, self._pin, self.load_report = module, loaded.pin, loaded.report
+        self.tier = Tier.hot
+        log.info("weights loaded", seconds=round(loaded.report.seconds, 3), cache=str(loaded.report.cache))
+
+    def prepare(self, instance: Any) -> Sized:
+        try:
+            array = np.asarray(instance, dtype=self.dtype)
+        except (TypeError, ValueError) as exc:
+            raise InvalidInput(f"instance is not a numeric array: {exc}") from exc
+        if array.dtype == object or (self.shape is not None and array.shape != self.shape):
+            raise InvalidInput(f"instance has shape {list(array.shape)}, expected {list(self.shape or ())}")
+        return Sized(array, int(array.size))
+
+    def forward(self, batch: Sequence[Any]) -> list[Any]:
+        if self.module is None or self.tier is not Tier.hot:
+            raise InvalidInput(f"replica is {self.tier.value}, not hot")
+        x = torch.from_numpy(np.stack(list(batch))).to(self.device)
+        with torch.inference_mode():
+            y = self.module(x)
+        return list(y.cpu().tolist())
+
+    def probe(self) -> Any:
+        return np.zeros(self.shape or (1,), dtype=self.dtype).tolist()
+
+    def set_tier(self, tier: Tier) -> None:
+        if self.module is not None and self.device.startswith("cuda") and Tier.standby not in (tier, self.tier):
+            # warm: weights in pinned host memory; hot: back on the device.
+            target = "cpu" if tier is Tier.warm else self.device
+            self.module.to(target)
+            self.tier = tier
+            return
+        super().set_tier(tier)
+
+    def unload(self) -> None:
+        self.module = None
+        if self._pin is not None:
+            self._pin.release()
+            self._pin = None
+        gc.collect()

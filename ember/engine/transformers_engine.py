@@ -1,0 +1,127 @@
+"""``transformers`` engine: the architecture from ``config.json`` beside the weights.
+
+engine_config::
+
+    {"task": "embedding", "max_length": 256}        # mean-pooled, L2-normalised vectors
+    {"task": "classification", "max_length": 256}   # {"label", "score", "scores"}
+
+Sidecar files (config and tokenizer) are fetched from the artifact's prefix in the object
+store into a directory keyed by model and version, then read offline.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ember.config import Settings
+from ember.engine.base import Engine, Sized, register_engine
+from ember.engine.spec import Tier, VersionSpec
+from ember.engine.weights import build_and_load
+from ember.errors import InvalidInput, ObjectNotFound
+from ember.loader.stores import open_store
+from ember.logs import get_logger
+
+log = get_logger(__name__)
+SIDECARS = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+            "vocab.txt", "merges.txt", "vocab.json", "generation_config.json")  # fmt: skip
+TASKS = ("embedding", "classification")
+
+
+def fetch_sidecars(spec: VersionSpec, settings: Settings) -> Path:
+    """Copy the files beside the weights into ``<cache>/sidecars/<model>/<version>/``."""
+    prefix = spec.artifact_uri.rsplit("/", 1)[0]
+    target = settings.weight_cache_dir / "sidecars" / spec.model / spec.version
+    target.mkdir(parents=True, exist_ok=True)
+    store = open_store(spec.artifact_uri, settings)
+    for name in SIDECARS:
+        uri = f"{prefix}/{name}"
+        try:
+            info = store.stat(uri)
+        except ObjectNotFound:
+            continue
+        data = store.read_range(uri, 0, info.size, etag=info.etag)
+        tmp = target / f".{name}.part"
+        tmp.write_bytes(data)
+        os.replace(tmp, target / name)
+    if not (target / "config.json").exists():
+        raise InvalidInput(f"no config.json beside {spec.artifact_uri}: the transformers engine needs it")
+    return target
+
+
+@register_engine("transformers")
+class TransformersEngine(Engine):
+    def __init__(self, spec: VersionSpec, settings: Settings, device: str = "cpu") -> None:
+        super().__init__(spec, settings, device)
+        self.task = spec.engine_config.get("task", "embedding")
+        if self.task not in TASKS:
+            raise InvalidInput(f"transformers task must be one of {TASKS}, got {self.task!r}")
+        self.max_length = int(spec.engine_config.get("max_length", 256))
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        self.files = fetch_sidecars(spec, settings)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.files))
+        self.module: Any = None
+        self._pin: Any = None
+
+    def load(self) -> None:
+        from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
+
+        config = AutoConfig.from_pretrained(str(self.files))
+        cls = AutoModel if self.task == "embedding" else AutoModelForSequenceClassification
+        prefix = f"{getattr(cls, 'base_model_prefix', '') or config.model_type}."
+        module, loaded = build_and_load(
+            lambda: cls.from_config(config), self.spec, self.settings, self.device, prefix
+        )
+        self.module, self._pin, self.load_report = module, loaded.pin, loaded.report
+        self.tier = Tier.hot
+        log.info("weights loaded", seconds=round(loaded.report.seconds, 3), cache=str(loaded.report.cache))
+
+    def prepare(self, instance: Any) -> Sized:
+        text = instance.get("text") if isinstance(instance, dict) else instance
+        if not isinstance(text, str):
+            raise InvalidInput('each instance must be a string or {"text": "..."}')
+        tokens = len(self.tokenizer(text, truncation=False)["input_ids"])
+        return Sized(text, tokens)
+
+    def forward(self, batch: Sequence[Any]) -> list[Any]:
+        if self.module is None or self.tier is not Tier.hot:
+            raise InvalidInput(f"replica is {self.tier.value}, not hot")
+        enc = self.tokenizer(list(batch), padding=True, truncation=True,
+                             max_length=self.max_length, return_tensors="pt").to(self.device)  # fmt: skip
+        with torch.inference_mode():
+            out = self.module(**enc)
+        if self.task == "embedding":
+            mask = enc["attention_mask"].unsqueeze(-1).to(out.last_hidden_state.dtype)
+            summed = (out.last_hidden_state * mask).sum(dim=1)
+            pooled = summed / mask.sum(dim=1).clamp(min=1e-9)
+            return list(torch.nn.functional.normalize(pooled, p=2, dim=1).cpu().tolist())
+        probs = out.logits.softmax(dim=-1).cpu()
+        labels = self.module.config.id2label
+        return [
+            {"label": labels[int(p.argmax())], "score": float(p.max()), "scores": p.tolist()}
+            for p in probs
+        ]
+
+    def probe(self) -> Any:
+        return "ok"
+
+    def set_tier(self, tier: Tier) -> None:
+        if self.module is not None and self.device.startswith("cuda") and Tier.standby not in (tier, self.tier):
+            self.module.to("cpu" if tier is Tier.warm else self.device)
+            self.tier = tier
+            return
+        super().set_tier(tier)
+
+    def unload(self) -> None:
+        self.module = None
+        if self._pin is not None:
+            self._pin.release()
+            self._pin = None
+        gc.collect()
