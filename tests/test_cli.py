@@ -109,3 +109,21 @@ def test_push_to_s3_uses_multipart_and_validates_over_http(
         Bucket=bucket, Key="team/artifacts/default/big/1/big.safetensors"
     )
     assert head["ETag"].strip('"').endswith("-3")  # three 5 MiB parts: a multipart upload
+
+
+def test_calibrate_stores_a_cost_model_for_this_hardware(file_env: dict[str, str], tmp_path: Path) -> None:
+    import json
+
+    from ember.engine.examples.mlp import ENGINE_CONFIG, INPUT_SCHEMA, build_mlp_artifact
+
+    artifact = build_mlp_artifact(tmp_path / "mlp.safetensors")
+    pushed = run(file_env, "models", "push", str(artifact), "-n", "mlp", "-v", "1", "--engine", "torch",
+                 "--engine-config", json.dumps(ENGINE_CONFIG), "--input-schema", json.dumps(INPUT_SCHEMA))  # fmt: skip
+    assert pushed.returncode == 0, pushed.stderr
+    result = run(file_env, "calibrate", "mlp:1", "--repeats", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured = json.loads(result.stdout)
+    assert measured["hardware"].startswith("cpu-") and measured["capacity_units_per_s"] > 0
+    version = httpx.get(f"{file_env['EMBER_URL']}/v1/models/mlp/versions/1",
+                        headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()  # fmt: skip
+    assert version["cost_models"][measured["hardware"]]["gamma"] == measured["gamma"] > 0

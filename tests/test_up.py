@@ -55,6 +55,7 @@ def test_up_prints_a_key_starts_redis_and_keeps_data(tmp_path: Path) -> None:
             pass
         first = output[0]
         assert f"Ember {url}" in first
+        assert "example:  minilm:1 pushed" in first
         key = re.search(r"export EMBER_API_KEY=(\S+)", first)
         assert key, first
         headers = {"Authorization": f"Bearer {key.group(1)}"}
@@ -66,7 +67,11 @@ def test_up_prints_a_key_starts_redis_and_keeps_data(tmp_path: Path) -> None:
         assert "export EMBER_API_KEY" not in output[0]  # shown once
         with ember_up(env) as (url, _):
             listed = httpx.get(f"{url}/v1/models", headers=headers).json()
-            assert [m["name"] for m in listed["items"]] == ["kept"]
+            assert [m["name"] for m in listed["items"]] == ["minilm", "kept"]
+            deployed = httpx.get(f"{url}/v1/deployments/minilm", headers=headers).json()
+            assert deployed["aliases"] == {"production": "1"} and deployed["min_hot"] == 1
+            version = httpx.get(f"{url}/v1/models/minilm/versions/1", headers=headers).json()
+            assert version["status"] == "ready" and version["tensor_count"] == 104
         assert (tmp_path / "data" / "registry.db").exists()
         assert (tmp_path / "data" / "redis" / "redis.pid").exists()
     finally:

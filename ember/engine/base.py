@@ -56,6 +56,11 @@ class Engine(ABC):
     def probe(self) -> Any:
         """A tiny valid instance for the black-box health check."""
 
+    def sample(self, input_size: int, output_size: int = 0) -> Any:
+        """A valid instance of roughly this size (calibration). Engines whose inputs have a
+        fixed size may ignore ``input_size``."""
+        return self.probe()
+
     def set_tier(self, tier: Tier) -> None:
         """Move between tiers. Default: warm keeps the weights in host RAM (on CPU they
         already are, so only the tier changes); standby drops them."""
@@ -80,6 +85,7 @@ _BUILTIN = {
     "torch": "ember.engine.torch_engine",
     "transformers": "ember.engine.transformers_engine",
     "vllm": "ember.engine.vllm_engine",
+    "synthetic": "ember.engine.synthetic",
 }
 
 

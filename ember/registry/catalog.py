@@ -13,7 +13,13 @@ from ember.errors import Conflict, NotFound
 from ember.logs import get_logger, model_context
 from ember.registry import validation
 from ember.registry.pagination import paginate
-from ember.registry.schemas import ModelCreate, ModelPublic, ModelVersionCreate, ModelVersionPublic
+from ember.registry.schemas import (
+    CostModelPublic,
+    ModelCreate,
+    ModelPublic,
+    ModelVersionCreate,
+    ModelVersionPublic,
+)
 from ember.registry.tables import Deployment, Model, ModelVersion, VersionStatus
 
 log = get_logger(__name__)
@@ -157,7 +163,13 @@ def delete_version(session: Session, model: Model, version: str) -> None:
 
 
 def version_public(model: Model, row: ModelVersion) -> ModelVersionPublic:
-    return ModelVersionPublic.model_validate({**row.model_dump(), "model": model.name})
+    data = row.model_dump()
+    data["cost_models"] = data.get("cost_models") or {}
+    return ModelVersionPublic.model_validate({**data, "model": model.name})
+
+
+def set_cost_model(row: ModelVersion, hardware: str, cost: CostModelPublic) -> None:
+    row.cost_models = {**(row.cost_models or {}), hardware: cost.model_dump()}
 
 
 def require_ready(model: Model, row: ModelVersion) -> None:
@@ -170,9 +182,11 @@ def require_ready(model: Model, row: ModelVersion) -> None:
         )
 
 
-def version_spec(model: Model, row: ModelVersion) -> dict[str, Any]:
-    """What a replica needs to serve ``row`` (``ember.engine.spec.VersionSpec`` fields)."""
+def version_spec(model: Model, row: ModelVersion, hardware: str | None = None) -> dict[str, Any]:
+    """What a replica needs to serve ``row`` (``ember.engine.spec.VersionSpec`` fields),
+    with the cost model calibrated on ``hardware`` if there is one."""
     return {
+        "cost": (row.cost_models or {}).get(hardware or "") if hardware else None,
         "model": model.name,
         "version": row.version,
         "artifact_uri": row.artifact_uri,

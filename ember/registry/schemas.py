@@ -118,6 +118,15 @@ class ModelVersionCreate(Input):
     )
 
 
+class CostModelPublic(Input):
+    """``cost = alpha*in + beta*out + gamma`` model units; capacity in units per second."""
+
+    alpha: float = Field(ge=0, le=1e6)
+    beta: float = Field(ge=0, le=1e6)
+    gamma: float = Field(ge=0, le=1e6)
+    capacity_units_per_s: float = Field(gt=0, le=1e12)
+
+
 class ModelVersionPublic(Public):
     model: str
     version: str
@@ -131,6 +140,7 @@ class ModelVersionPublic(Public):
     sha256: str | None
     size_bytes: int | None
     tensor_count: int | None
+    cost_models: dict[str, CostModelPublic] = Field(default_factory=dict)
     created_at: datetime
     validated_at: datetime | None
 

@@ -80,6 +80,9 @@ class ModelVersion(SQLModel, table=True):
     size_bytes: int | None = Field(default=None, sa_type=BigInteger)
     tensor_count: int | None = None
     etag: str | None = Field(default=None, max_length=256)
+    cost_models: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON))
+    """hardware key -> calibrated ``CostModel`` fields (measured, so not part of the
+    immutable version content)."""
     created_at: datetime = Field(default_factory=utcnow)
     validated_at: datetime | None = None
 

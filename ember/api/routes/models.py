@@ -10,6 +10,7 @@ from ember.api.deps import Cursor, Limit, PrincipalDep, SessionDep, SettingsDep
 from ember.registry import catalog
 from ember.registry.schemas import (
     NAME_PATTERN,
+    CostModelPublic,
     VERSION_PATTERN,
     ModelCreate,
     ModelPublic,
@@ -117,3 +118,22 @@ def delete_version(
     catalog.delete_version(session, model, version)
     session.commit()
     return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.put("/{name}/versions/{version}/cost-models/{hardware}", summary="Store a calibration")
+def put_cost_model(
+    name: ModelName,
+    version: VersionRef,
+    hardware: Annotated[str, Path(pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")],
+    body: CostModelPublic,
+    principal: PrincipalDep,
+    session: SessionDep,
+) -> ModelVersionPublic:
+    """What `ember calibrate` measured for this version on this hardware: admission, the
+    router and the autoscaler read model units from here."""
+    model = catalog.get_model(session, principal.tenant_id, name)
+    row = catalog.get_version(session, model, version)
+    catalog.set_cost_model(row, hardware, body)
+    session.add(row)
+    session.commit()
+    return catalog.version_public(model, row)
