@@ -16,12 +16,11 @@ from typing import Annotated, Any, TypeVar
 import typer
 from rich.console import Console
 from rich.table import Table
-
 from sqlalchemy import Engine
 
 from ember.client import EmberClient
 from ember.config import Settings, get_settings
-from ember.errors import EmberError
+from ember.errors import Conflict, EmberError
 
 app = typer.Typer(
     help="Ember: register, deploy and call model versions — warm pools, fast cold starts.",
@@ -96,10 +95,8 @@ def up() -> None:
     """Run Ember on one machine with embedded defaults: SQLite registry, file:// object
     store and weight cache under EMBER_DATA_DIR, a local Redis unless EMBER_REDIS_URL is
     set, and the API on EMBER_HOST:EMBER_PORT."""
-    from ember.local import ensure_redis
-
     from ember.api.app import prepare
-    from ember.local import seed_examples
+    from ember.local import ensure_redis, seed_examples
 
     settings = load_settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -207,7 +204,21 @@ from ember.cli_models import deployments_app, models_app  # noqa: E402
 
 app.add_typer(models_app, name="models")
 app.add_typer(deployments_app, name="deployments")
-import ember.cli_engine  # noqa: E402,F401 - registers `ember engine`
+import ember.cli_engine  # noqa: E402,F401 - registers `ember engine`, `ember calibrate`
+
+
+def _resolve_version(settings: Settings, model: str, version: str) -> tuple[str, str]:
+    """``ember cache warm``: a version's artifact and digest, from the registry API (so a
+    key sees only its own tenant's models)."""
+    row = client().get(f"/v1/models/{model}/versions/{version}")
+    if row["status"] != "ready" or not row["sha256"]:
+        raise Conflict(f"{model}:{version} is {row['status']}, not ready to cache")
+    return str(row["artifact_uri"]), str(row["sha256"])
+
+
+from ember.loader.cli import make_cache_app  # noqa: E402
+
+app.add_typer(make_cache_app(_resolve_version), name="cache")
 
 
 if __name__ == "__main__":

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from ember.cli import app, err, friendly_errors, load_settings
+from ember.config import Settings
+
+if TYPE_CHECKING:
+    from ember.engine.threads import CpuBudget
 
 
 def _spec_from_registry(model: str, version: str, tenant: str) -> dict[str, object]:
@@ -60,14 +64,34 @@ def engine(
         else:
             err.print("[red]give --spec-file, --model and --version, or --standby[/red]")
             raise typer.Exit(2)
-    _serve_replica(settings, raw, host, port, device, replica_id, budget, {
-        "max_batch_size": max_batch_size, "max_queue_delay_ms": max_queue_delay_ms,
-        "max_queue": max_queue, "max_input_size": max_input_size,
-        "max_batch_units": max_batch_units,
-    })  # fmt: skip
+    _serve_replica(
+        settings,
+        raw,
+        host,
+        port,
+        device,
+        replica_id,
+        budget,
+        {
+            "max_batch_size": max_batch_size,
+            "max_queue_delay_ms": max_queue_delay_ms,
+            "max_queue": max_queue,
+            "max_input_size": max_input_size,
+            "max_batch_units": max_batch_units,
+        },
+    )
 
 
-def _serve_replica(settings, raw, host, port, device, replica_id, budget, policy):  # type: ignore[no-untyped-def]
+def _serve_replica(
+    settings: Settings,
+    raw: dict[str, Any] | None,
+    host: str,
+    port: int,
+    device: str,
+    replica_id: str | None,
+    budget: CpuBudget,
+    policy: dict[str, Any],
+) -> None:
     import uvicorn
 
     from ember.engine.replica import Replica
@@ -84,10 +108,16 @@ def _serve_replica(settings, raw, host, port, device, replica_id, budget, policy
     replica = Replica(settings, BatchPolicy(**policy), device, replica_id)
     if spec is not None:
         bind_process(model=spec.model, version=spec.version)
-    get_logger(__name__).info("replica starting", threads=budget.threads, threads_source=budget.source,
-                              port=port, standby=spec is None)  # fmt: skip
-    uvicorn.run(create_replica_app(replica, spec), host=host, port=port, log_config=None,
-                access_log=False)  # fmt: skip
+    get_logger(__name__).info(
+        "replica starting",
+        threads=budget.threads,
+        threads_source=budget.source,
+        port=port,
+        standby=spec is None,
+    )
+    uvicorn.run(
+        create_replica_app(replica, spec), host=host, port=port, log_config=None, access_log=False
+    )
 
 
 @app.command()
@@ -111,10 +141,16 @@ def calibrate(
     api = EmberClient.from_env()
     with friendly_errors():
         row = api.get(f"/v1/models/{model}/versions/{version}")
-        spec = VersionSpec(model=model, version=version, artifact_uri=row["artifact_uri"],
-                           sha256=row["sha256"] or "", engine=row["engine"],
-                           engine_config=row["engine_config"], input_schema=row["input_schema"],
-                           output_schema=row["output_schema"])  # fmt: skip
+        spec = VersionSpec(
+            model=model,
+            version=version,
+            artifact_uri=row["artifact_uri"],
+            sha256=row["sha256"] or "",
+            engine=row["engine"],
+            engine_config=row["engine_config"],
+            input_schema=row["input_schema"],
+            output_schema=row["output_schema"],
+        )
         runtime = engine_class(spec.engine)(spec, settings, device)
         runtime.load()
         cost = run_calibration(runtime, repeats=repeats)
@@ -124,7 +160,10 @@ def calibrate(
 
             name = torch.cuda.get_device_name(torch.device(device))
         hardware = hardware_key(device, name)
-        stored = api.request("PUT", f"/v1/models/{model}/versions/{version}/cost-models/{hardware}",
-                             json=cost.to_dict())  # fmt: skip
+        stored = api.request(
+            "PUT",
+            f"/v1/models/{model}/versions/{version}/cost-models/{hardware}",
+            json=cost.to_dict(),
+        )
         runtime.close()
     print(json.dumps({"hardware": hardware, **stored["cost_models"][hardware]}, indent=2))

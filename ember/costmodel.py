@@ -79,7 +79,7 @@ def hardware_key(device: str, accelerator_name: str | None = None) -> str:
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     n = len(b)
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    m = [[*row, b[i]] for i, row in enumerate(a)]
     for col in range(n):
         pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
         if abs(m[pivot][col]) < 1e-300:

@@ -44,11 +44,27 @@ def ensure_redis(settings: Settings) -> str:
     workdir: Path = settings.data_dir / "redis"
     workdir.mkdir(parents=True, exist_ok=True)
     subprocess.run(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
-         "--appendonly", "yes", "--save", "", "--daemonize", "yes",
-         "--pidfile", str(workdir / "redis.pid"), "--logfile", str(workdir / "redis.log")],
+        [
+            exe,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(workdir),
+            "--appendonly",
+            "yes",
+            "--save",
+            "",
+            "--daemonize",
+            "yes",
+            "--pidfile",
+            str(workdir / "redis.pid"),
+            "--logfile",
+            str(workdir / "redis.log"),
+        ],
         check=True,
-    )  # fmt: skip
+    )
     deadline = time.monotonic() + 10
     while not _answers(port):
         if time.monotonic() > deadline:
@@ -80,27 +96,45 @@ def seed_examples(settings: Settings, engine: Engine) -> str | None:
 
     with session_scope(engine) as session:
         tenant = get_tenant(session, DEFAULT_TENANT)
-        if session.exec(select(Model).where(Model.tenant_id == tenant.id,
-                                            Model.name == EXAMPLE_MODEL)).first():  # fmt: skip
+        if session.exec(
+            select(Model).where(Model.tenant_id == tenant.id, Model.name == EXAMPLE_MODEL)
+        ).first():
             return None
         source: Path = package.get_model_path()
         prefix = join_uri(settings.store_url, "artifacts", DEFAULT_TENANT, EXAMPLE_MODEL, "1")
         store = open_store(join_uri(prefix, "model.safetensors"), settings)
-        for path in sorted(p for p in source.rglob("*") if p.is_file() and not p.name.startswith(".")):
+        for path in sorted(
+            p for p in source.rglob("*") if p.is_file() and not p.name.startswith(".")
+        ):
             store.put_file(path, join_uri(prefix, path.relative_to(source).as_posix()))
         uri = join_uri(prefix, "model.safetensors")
         facts = validation.inspect_artifact(uri, settings, None)
-        model = catalog.create_model(session, tenant.id or 0, ModelCreate(
-            name=EXAMPLE_MODEL, description="all-MiniLM-L6-v2 sentence embeddings (384-d)"))  # fmt: skip
-        version = ModelVersion(model_id=model.id or 0, version="1", artifact_uri=uri,
-                               engine="transformers",
-                               engine_config={"task": "embedding", "max_length": 256},
-                               input_schema={"type": "string"},
-                               output_schema={"type": "array", "items": {"type": "number"},
-                                              "minItems": 384, "maxItems": 384})  # fmt: skip
+        model = catalog.create_model(
+            session,
+            tenant.id or 0,
+            ModelCreate(
+                name=EXAMPLE_MODEL, description="all-MiniLM-L6-v2 sentence embeddings (384-d)"
+            ),
+        )
+        version = ModelVersion(
+            model_id=model.id or 0,
+            version="1",
+            artifact_uri=uri,
+            engine="transformers",
+            engine_config={"task": "embedding", "max_length": 256},
+            input_schema={"type": "string"},
+            output_schema={
+                "type": "array",
+                "items": {"type": "number"},
+                "minItems": 384,
+                "maxItems": 384,
+            },
+        )
         validation.apply_facts(version, facts)
         session.add(version)
         session.flush()
-        deployments.create(session, tenant.id or 0, DeploymentCreate(model=EXAMPLE_MODEL, version="1"))
+        deployments.create(
+            session, tenant.id or 0, DeploymentCreate(model=EXAMPLE_MODEL, version="1")
+        )
     log.info("example model pushed and deployed", model=EXAMPLE_MODEL, version="1", uri=uri)
     return uri

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from concurrent.futures import Executor, Future
 from contextlib import contextmanager
 from typing import Any, Literal, TypeVar
@@ -26,7 +26,9 @@ T = TypeVar("T")
 _PROCESS: dict[str, Any] = {}
 
 
-def _merge_process(_logger: Any, _method: str, event: dict[str, Any]) -> dict[str, Any]:
+def _merge_process(
+    _logger: Any, _method: str, event: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
     for key, value in _PROCESS.items():
         event.setdefault(key, value)
     return event

@@ -45,8 +45,18 @@ def test_push_deploy_promote_from_the_command_line(
     artifact = tmp_path / "minilm"
     write_valid(artifact / "model.safetensors")
     (artifact / "config.json").write_text('{"hidden_size": 8}')
-    pushed = run(file_env, "models", "push", str(artifact), "--name", "minilm", "--version", "1",
-                 "--engine", "transformers")  # fmt: skip
+    pushed = run(
+        file_env,
+        "models",
+        "push",
+        str(artifact),
+        "--name",
+        "minilm",
+        "--version",
+        "1",
+        "--engine",
+        "transformers",
+    )
     assert pushed.returncode == 0, pushed.stderr
     assert '"status": "ready"' in pushed.stdout
     digest = hashlib.sha256((artifact / "model.safetensors").read_bytes()).hexdigest()
@@ -57,8 +67,19 @@ def test_push_deploy_promote_from_the_command_line(
     again = run(file_env, "models", "push", str(artifact), "--name", "minilm", "--version", "1")
     assert again.returncode == 1 and "already exists" in again.stderr
 
-    assert run(file_env, "models", "push", str(artifact / "model.safetensors"), "-n", "minilm",
-               "-v", "2").returncode == 0  # fmt: skip
+    assert (
+        run(
+            file_env,
+            "models",
+            "push",
+            str(artifact / "model.safetensors"),
+            "-n",
+            "minilm",
+            "-v",
+            "2",
+        ).returncode
+        == 0
+    )
     listed = run(file_env, "models", "ls")
     assert listed.returncode == 0 and "minilm" in listed.stdout
     created = run(file_env, "deployments", "create", "minilm", "-v", "1", "--set", "min_hot=2")
@@ -94,14 +115,20 @@ def test_push_to_s3_uses_multipart_and_validates_over_http(
         "EMBER_S3_ENDPOINT_URL": moto_endpoint,
         "EMBER_S3_PART_SIZE_BYTES": str(5 * 1024 * 1024),
     }
-    settings = Settings(data_dir=data_dir, admin_key=ADMIN_KEY, object_store_url=f"s3://{bucket}/team",  # type: ignore[arg-type]
-                        s3_endpoint_url=moto_endpoint)  # fmt: skip
+    settings = Settings(
+        data_dir=data_dir,
+        admin_key=ADMIN_KEY,
+        object_store_url=f"s3://{bucket}/team",  # type: ignore[arg-type]
+        s3_endpoint_url=moto_endpoint,
+    )
     artifact = write_valid(tmp_path / "big.safetensors", tensors=3, rows=128 * 1024)  # 12 MiB
     for cli_env in start(settings, env):
         pushed = run(cli_env, "models", "push", str(artifact), "-n", "big", "-v", "1")
         assert pushed.returncode == 0, pushed.stderr
-        version = httpx.get(f"{cli_env['EMBER_URL']}/v1/models/big/versions/1",
-                            headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()  # fmt: skip
+        version = httpx.get(
+            f"{cli_env['EMBER_URL']}/v1/models/big/versions/1",
+            headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+        ).json()
     assert version["artifact_uri"] == f"s3://{bucket}/team/artifacts/default/big/1/big.safetensors"
     assert version["status"] == "ready"
     assert version["sha256"] == hashlib.sha256(artifact.read_bytes()).hexdigest()
@@ -111,19 +138,50 @@ def test_push_to_s3_uses_multipart_and_validates_over_http(
     assert head["ETag"].strip('"').endswith("-3")  # three 5 MiB parts: a multipart upload
 
 
-def test_calibrate_stores_a_cost_model_for_this_hardware(file_env: dict[str, str], tmp_path: Path) -> None:
+def test_calibrate_stores_a_cost_model_for_this_hardware(
+    file_env: dict[str, str], tmp_path: Path
+) -> None:
     import json
 
     from ember.engine.examples.mlp import ENGINE_CONFIG, INPUT_SCHEMA, build_mlp_artifact
 
     artifact = build_mlp_artifact(tmp_path / "mlp.safetensors")
-    pushed = run(file_env, "models", "push", str(artifact), "-n", "mlp", "-v", "1", "--engine", "torch",
-                 "--engine-config", json.dumps(ENGINE_CONFIG), "--input-schema", json.dumps(INPUT_SCHEMA))  # fmt: skip
+    pushed = run(
+        file_env,
+        "models",
+        "push",
+        str(artifact),
+        "-n",
+        "mlp",
+        "-v",
+        "1",
+        "--engine",
+        "torch",
+        "--engine-config",
+        json.dumps(ENGINE_CONFIG),
+        "--input-schema",
+        json.dumps(INPUT_SCHEMA),
+    )
     assert pushed.returncode == 0, pushed.stderr
     result = run(file_env, "calibrate", "mlp:1", "--repeats", "2")
     assert result.returncode == 0, result.stderr[-3000:]
     measured = json.loads(result.stdout)
     assert measured["hardware"].startswith("cpu-") and measured["capacity_units_per_s"] > 0
-    version = httpx.get(f"{file_env['EMBER_URL']}/v1/models/mlp/versions/1",
-                        headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()  # fmt: skip
+    version = httpx.get(
+        f"{file_env['EMBER_URL']}/v1/models/mlp/versions/1",
+        headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+    ).json()
     assert version["cost_models"][measured["hardware"]]["gamma"] == measured["gamma"] > 0
+
+
+def test_cache_warm_ls_evict_through_the_registry(file_env: dict[str, str], tmp_path: Path) -> None:
+    artifact = write_valid(tmp_path / "w.safetensors")
+    assert run(file_env, "models", "push", str(artifact), "-n", "cached", "-v", "3").returncode == 0
+    warmed = run(file_env, "cache", "warm", "cached:3")
+    assert warmed.returncode == 0, warmed.stderr
+    listed = run(file_env, "cache", "ls")
+    assert "cached:3" in listed.stdout
+    assert run(file_env, "cache", "evict", "cached:3").returncode == 0
+    assert "cached:3" not in run(file_env, "cache", "ls").stdout
+    missing = run(file_env, "cache", "warm", "cached:9")
+    assert missing.returncode == 1 and "does not exist" in missing.stderr

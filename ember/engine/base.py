@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -56,6 +56,19 @@ class Engine(ABC):
     def probe(self) -> Any:
         """A tiny valid instance for the black-box health check."""
 
+    #: Engines that batch continuously themselves (vLLM) implement ``aforward``; the
+    #: scheduler then awaits it on the event loop instead of the compute thread.
+    aforward: Callable[[Sequence[Any]], Awaitable[list[Any]]] | None = None
+
+    def routes(self) -> Any:
+        """An ``APIRouter`` of engine-specific routes the replica mounts (OpenAI for
+        vLLM), or None. Called on the event loop once the engine is loaded."""
+        return None
+
+    def metrics_text(self) -> bytes:
+        """Extra Prometheus exposition text appended to the replica's ``/metrics``."""
+        return b""
+
     def sample(self, input_size: int, output_size: int = 0) -> Any:
         """A valid instance of roughly this size (calibration). Engines whose inputs have a
         fixed size may ignore ``input_size``."""
@@ -72,7 +85,7 @@ class Engine(ABC):
             self.load()
         self.tier = tier
 
-    def unload(self) -> None:
+    def unload(self) -> None:  # noqa: B027 - optional hook, most engines override it
         """Drop the weights (standby). Engines override to free their modules."""
 
     def close(self) -> None:

@@ -16,18 +16,31 @@ class EngineMetrics:
         self.labels = {"model": model, "version": version}
         names = ["model", "version"]
         r = self.registry
-        self.queue_depth = Gauge("ember_queue_depth", "Queued instances", [*names, "priority"],
-                                 registry=r)  # fmt: skip
-        self.inflight_units = Gauge("ember_inflight_units", "Model units queued or running",
-                                    names, registry=r)  # fmt: skip
-        self.batch_size = Histogram("ember_batch_size", "Instances per forward pass", names,
-                                    buckets=BATCH_BUCKETS, registry=r)  # fmt: skip
-        self.latency = Histogram("ember_request_latency_seconds", "Request latency",
-                                 [*names, "priority"], buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.queue_depth = Gauge(
+            "ember_queue_depth", "Queued instances", [*names, "priority"], registry=r
+        )
+        self.inflight_units = Gauge(
+            "ember_inflight_units", "Model units queued or running", names, registry=r
+        )
+        self.batch_size = Histogram(
+            "ember_batch_size",
+            "Instances per forward pass",
+            names,
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.latency = Histogram(
+            "ember_request_latency_seconds",
+            "Request latency",
+            [*names, "priority"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.forward_passes = Counter("ember_forward_passes", "Forward passes", names, registry=r)
         self.inferences = Counter("ember_inferences", "Instances inferred", names, registry=r)
-        self.rejected = Counter("ember_rejected", "Instances refused or dropped",
-                                [*names, "reason"], registry=r)  # fmt: skip
+        self.rejected = Counter(
+            "ember_rejected", "Instances refused or dropped", [*names, "reason"], registry=r
+        )
         for p in Priority:
             self.queue_depth.labels(**self.labels, priority=p.label).set(0)
 

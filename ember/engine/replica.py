@@ -79,12 +79,18 @@ class Replica:
         if tier is not engine.tier:
             started = time.perf_counter()
             await asyncio.to_thread(engine.set_tier, tier)
-            log.info("tier changed", tier=tier.value, seconds=round(time.perf_counter() - started, 3))
+            log.info(
+                "tier changed", tier=tier.value, seconds=round(time.perf_counter() - started, 3)
+            )
 
-    async def infer(self, instances: list[Any], priority: Priority, timeout_ms: float | None) -> list[Any]:
+    async def infer(
+        self, instances: list[Any], priority: Priority, timeout_ms: float | None
+    ) -> list[Any]:
         engine = self._require_engine()
         if engine.tier is not Tier.hot or self.scheduler is None:
-            raise NotReady(f"replica is {engine.tier.value}; promote it to hot first", tier=engine.tier.value)
+            raise NotReady(
+                f"replica is {engine.tier.value}; promote it to hot first", tier=engine.tier.value
+            )
         return await self.scheduler.submit(instances, priority, timeout_ms)
 
     async def probe(self) -> None:

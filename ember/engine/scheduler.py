@@ -11,6 +11,7 @@ while the model computes. An instance whose deadline passed is dropped before co
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -79,7 +80,8 @@ class Scheduler:
             )
         except TimeoutError:
             raise DeadlineExceeded(
-                f"no answer within the {timeout_s * 1000:.0f} ms deadline", timeout_ms=timeout_s * 1000
+                f"no answer within the {timeout_s * 1000:.0f} ms deadline",
+                timeout_ms=timeout_s * 1000,
             ) from None
         finally:
             for item in items:  # a caller that gave up must not be computed for
@@ -122,17 +124,23 @@ class Scheduler:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
         self._compute.shutdown(wait=False, cancel_futures=True)
 
     async def _run(self) -> None:
+        continuous = self.engine.aforward is not None
+        running: set[asyncio.Task[None]] = set()
         while True:
             await self._wait_for_batch()
             batch = self._take_batch()
-            if batch:
+            if not batch:
+                continue
+            if continuous:  # the engine batches across calls: do not wait for this one
+                task = asyncio.create_task(self._dispatch(batch))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            else:
                 await self._dispatch(batch)
 
     async def _wait_for_batch(self) -> None:
@@ -150,10 +158,8 @@ class Scheduler:
             else:
                 timeout = None
             self._wakeup.clear()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), timeout)
-            except TimeoutError:
-                pass
 
     def _oldest(self) -> Item | None:
         heads = [q[0] for q in self.queues.values() if q]
@@ -201,7 +207,10 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         values = [i.sized.value for i in batch]
         try:
-            outputs = await loop.run_in_executor(self._compute, self.engine.forward, values)
+            if self.engine.aforward is not None:
+                outputs = await self.engine.aforward(values)
+            else:
+                outputs = await loop.run_in_executor(self._compute, self.engine.forward, values)
             if len(outputs) != len(batch):
                 raise EngineError(f"engine returned {len(outputs)} outputs for {len(batch)} inputs")
         except Exception as exc:
@@ -227,7 +236,9 @@ class Scheduler:
         else:
             item.future.set_exception(EngineError(f"inference failed: {type(exc).__name__}: {exc}"))
 
-    def _finish(self, batch: list[Item], outputs: list[Any], counted: list[Item] | None = None) -> None:
+    def _finish(
+        self, batch: list[Item], outputs: list[Any], counted: list[Item] | None = None
+    ) -> None:
         for item, output in zip(batch, outputs, strict=True):
             if not item.future.done():
                 item.future.set_result(output)

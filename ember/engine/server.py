@@ -37,9 +37,15 @@ class TierRequest(BaseModel):
 
 
 def create_replica_app(replica: Replica, spec: VersionSpec | None) -> FastAPI:
+    async def assign_and_mount(version: VersionSpec) -> None:
+        await replica.assign(version)
+        router = replica.engine.routes() if replica.engine and replica.state == "ready" else None
+        if router is not None:
+            app.include_router(router)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        loading = asyncio.create_task(replica.assign(spec)) if spec is not None else None
+        loading = asyncio.create_task(assign_and_mount(spec)) if spec is not None else None
         try:
             yield
         finally:
@@ -94,6 +100,8 @@ def create_replica_app(replica: Replica, spec: VersionSpec | None) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         data = replica.metrics.render() if replica.metrics else b""
+        if replica.engine is not None:
+            data += replica.engine.metrics_text()
         return Response(data, media_type="text/plain; version=0.0.4")
 
     @app.post("/tier")
@@ -104,7 +112,7 @@ def create_replica_app(replica: Replica, spec: VersionSpec | None) -> FastAPI:
     @app.post("/assign")
     async def assign(body: VersionSpec, request: Request) -> JSONResponse:
         """Give a standby process its version; answers once it is loaded (or failed)."""
-        await replica.assign(body)
+        await assign_and_mount(body)
         status = 200 if replica.state == "ready" else 503
         return JSONResponse(replica.info(), status)
 

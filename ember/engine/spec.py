@@ -35,7 +35,9 @@ class Priority(enum.IntEnum):
         try:
             return cls[key]
         except KeyError:
-            raise ValueError(f"priority must be one of online, async, batch (got {name!r})") from None
+            raise ValueError(
+                f"priority must be one of online, async, batch (got {name!r})"
+            ) from None
 
     @property
     def label(self) -> str:

@@ -25,7 +25,9 @@ class SyntheticEngine(Engine):
         return float(self.spec.engine_config.get(name, 0.0))
 
     def prepare(self, instance: Any) -> Sized:
-        if not isinstance(instance, dict) or not all(isinstance(instance.get(k, 0), int) for k in ("in", "out")):
+        if not isinstance(instance, dict) or not all(
+            isinstance(instance.get(k, 0), int) for k in ("in", "out")
+        ):
             raise InvalidInput('synthetic instances are {"in": int, "out": int}')
         return Sized(instance, int(instance.get("in", 0)), int(instance.get("out", 0)))
 

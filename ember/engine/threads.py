@@ -57,11 +57,18 @@ def _quota_v1(root: Path) -> float | None:
     return quota / period
 
 
-def cpu_budget(cgroup_root: Path = Path("/sys/fs/cgroup"), override: int | None = None) -> CpuBudget:
-    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+def cpu_budget(
+    cgroup_root: Path = Path("/sys/fs/cgroup"), override: int | None = None
+) -> CpuBudget:
+    affinity = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
     if override:
         return CpuBudget(override, "override")
-    for source, quota in (("cgroup-v2", _quota_v2(cgroup_root)), ("cgroup-v1", _quota_v1(cgroup_root))):
+    for source, quota in (
+        ("cgroup-v2", _quota_v2(cgroup_root)),
+        ("cgroup-v1", _quota_v1(cgroup_root)),
+    ):
         if quota is not None:
             return CpuBudget(max(1, min(affinity, math.ceil(quota))), source)
     return CpuBudget(max(1, affinity), "affinity")

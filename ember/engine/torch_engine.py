@@ -62,7 +62,11 @@ class TorchEngine(Engine):
         module, loaded = build_and_load(build, self.spec, self.settings, self.device)
         self.module, self._pin, self.load_report = module, loaded.pin, loaded.report
         self.tier = Tier.hot
-        log.info("weights loaded", seconds=round(loaded.report.seconds, 3), cache=str(loaded.report.cache))
+        log.info(
+            "weights loaded",
+            seconds=round(loaded.report.seconds, 3),
+            cache=str(loaded.report.cache),
+        )
 
     def prepare(self, instance: Any) -> Sized:
         try:
@@ -70,7 +74,9 @@ class TorchEngine(Engine):
         except (TypeError, ValueError) as exc:
             raise InvalidInput(f"instance is not a numeric array: {exc}") from exc
         if array.dtype == object or (self.shape is not None and array.shape != self.shape):
-            raise InvalidInput(f"instance has shape {list(array.shape)}, expected {list(self.shape or ())}")
+            raise InvalidInput(
+                f"instance has shape {list(array.shape)}, expected {list(self.shape or ())}"
+            )
         return Sized(array, int(array.size))
 
     def forward(self, batch: Sequence[Any]) -> list[Any]:
@@ -85,7 +91,11 @@ class TorchEngine(Engine):
         return np.zeros(self.shape or (1,), dtype=self.dtype).tolist()
 
     def set_tier(self, tier: Tier) -> None:
-        if self.module is not None and self.device.startswith("cuda") and Tier.standby not in (tier, self.tier):
+        if (
+            self.module is not None
+            and self.device.startswith("cuda")
+            and Tier.standby not in (tier, self.tier)
+        ):
             # warm: weights in pinned host memory; hot: back on the device.
             target = "cpu" if tier is Tier.warm else self.device
             self.module.to(target)

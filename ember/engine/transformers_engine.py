@@ -28,8 +28,16 @@ from ember.loader.stores import open_store
 from ember.logs import get_logger
 
 log = get_logger(__name__)
-SIDECARS = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-            "vocab.txt", "merges.txt", "vocab.json", "generation_config.json")  # fmt: skip
+SIDECARS = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+    "merges.txt",
+    "vocab.json",
+    "generation_config.json",
+)
 TASKS = ("embedding", "classification")
 
 
@@ -50,7 +58,9 @@ def fetch_sidecars(spec: VersionSpec, settings: Settings) -> Path:
         tmp.write_bytes(data)
         os.replace(tmp, target / name)
     if not (target / "config.json").exists():
-        raise InvalidInput(f"no config.json beside {spec.artifact_uri}: the transformers engine needs it")
+        raise InvalidInput(
+            f"no config.json beside {spec.artifact_uri}: the transformers engine needs it"
+        )
     return target
 
 
@@ -77,11 +87,19 @@ class TransformersEngine(Engine):
         cls = AutoModel if self.task == "embedding" else AutoModelForSequenceClassification
         prefix = f"{getattr(cls, 'base_model_prefix', '') or config.model_type}."
         module, loaded = build_and_load(
-            lambda: cls.from_config(config), self.spec, self.settings, self.device, prefix
+            lambda: cls.from_config(config),  # type: ignore[no-untyped-call]
+            self.spec,
+            self.settings,
+            self.device,
+            prefix,
         )
         self.module, self._pin, self.load_report = module, loaded.pin, loaded.report
         self.tier = Tier.hot
-        log.info("weights loaded", seconds=round(loaded.report.seconds, 3), cache=str(loaded.report.cache))
+        log.info(
+            "weights loaded",
+            seconds=round(loaded.report.seconds, 3),
+            cache=str(loaded.report.cache),
+        )
 
     def prepare(self, instance: Any) -> Sized:
         text = instance.get("text") if isinstance(instance, dict) else instance
@@ -93,8 +111,13 @@ class TransformersEngine(Engine):
     def forward(self, batch: Sequence[Any]) -> list[Any]:
         if self.module is None or self.tier is not Tier.hot:
             raise InvalidInput(f"replica is {self.tier.value}, not hot")
-        enc = self.tokenizer(list(batch), padding=True, truncation=True,
-                             max_length=self.max_length, return_tensors="pt").to(self.device)  # fmt: skip
+        enc = self.tokenizer(
+            list(batch),
+            padding=True,
+            truncation=True,
+            max_length=self.max_length,
+            return_tensors="pt",
+        ).to(self.device)
         with torch.inference_mode():
             out = self.module(**enc)
         if self.task == "embedding":
@@ -116,7 +139,11 @@ class TransformersEngine(Engine):
         return " ".join(["word"] * max(1, input_size - 2))  # [CLS] ... [SEP]
 
     def set_tier(self, tier: Tier) -> None:
-        if self.module is not None and self.device.startswith("cuda") and Tier.standby not in (tier, self.tier):
+        if (
+            self.module is not None
+            and self.device.startswith("cuda")
+            and Tier.standby not in (tier, self.tier)
+        ):
             self.module.to("cpu" if tier is Tier.warm else self.device)
             self.tier = tier
             return

@@ -34,13 +34,17 @@ def loader_for(settings: Settings) -> WeightLoader:
 
 @contextlib.contextmanager
 def _skip_init() -> Iterator[None]:
-    try:
-        from transformers.modeling_utils import no_init_weights
-    except ImportError:
-        yield
+    import importlib
+
+    for where in ("transformers.initialization", "transformers.modeling_utils"):  # 5.x, 4.x
+        try:
+            no_init_weights = importlib.import_module(where).no_init_weights
+        except (ImportError, AttributeError):
+            continue
+        with no_init_weights():
+            yield
         return
-    with no_init_weights():
-        yield
+    yield
 
 
 def build_and_load(
@@ -71,7 +75,9 @@ def build_and_load(
     return module.eval(), loaded
 
 
-def _matching(module: torch.nn.Module, tensors: dict[str, Any], strip_prefix: str) -> dict[str, Any]:
+def _matching(
+    module: torch.nn.Module, tensors: dict[str, Any], strip_prefix: str
+) -> dict[str, Any]:
     expected = set(module.state_dict().keys())
     if strip_prefix and not expected & set(tensors):
         tensors = {k.removeprefix(strip_prefix): v for k, v in tensors.items()}

@@ -15,7 +15,12 @@ from typing import Any
 import httpx
 import pytest
 
-from ember.engine.examples.mlp import ENGINE_CONFIG, INPUT_SCHEMA, build_mlp_artifact, build_slow_mlp_artifact
+from ember.engine.examples.mlp import (
+    ENGINE_CONFIG,
+    INPUT_SCHEMA,
+    build_mlp_artifact,
+    build_slow_mlp_artifact,
+)
 from tests.services import free_port, wait_until
 
 EMBER = str(Path(sys.executable).with_name("ember"))
@@ -51,14 +56,18 @@ def spec_for(path: Path, model: str, version: str, **extra: Any) -> dict[str, An
 @pytest.fixture
 def mlp_spec(data_dir: Path) -> dict[str, Any]:
     path = build_mlp_artifact(data_dir / "objects" / "mlp" / "1" / "model.safetensors")
-    return spec_for(path, "mlp", "1", engine="torch", engine_config=ENGINE_CONFIG, input_schema=INPUT_SCHEMA)
+    return spec_for(
+        path, "mlp", "1", engine="torch", engine_config=ENGINE_CONFIG, input_schema=INPUT_SCHEMA
+    )
 
 
 @pytest.fixture
 def slow_spec(data_dir: Path) -> dict[str, Any]:
     path = build_slow_mlp_artifact(data_dir / "objects" / "slow" / "1" / "model.safetensors")
     config = {"factory": "ember.engine.examples.mlp:slow_mlp", "kwargs": {"delay_s": 0.3}}
-    return spec_for(path, "slow", "1", engine="torch", engine_config=config, input_schema=INPUT_SCHEMA)
+    return spec_for(
+        path, "slow", "1", engine="torch", engine_config=config, input_schema=INPUT_SCHEMA
+    )
 
 
 StartEngine = Callable[..., EngineProcess]
@@ -85,7 +94,11 @@ def start_engine(data_dir: Path, tmp_path: Path) -> Iterator[StartEngine]:
         engine = EngineProcess(f"http://127.0.0.1:{port}", proc, log)
         procs.append(engine)
         path = "/readyz" if ready and spec is not None else "/healthz"
-        wait_until(lambda: httpx.get(engine.url + path).status_code == 200, 90, f"engine ({log.read_text()[-2000:]})")
+        wait_until(
+            lambda: httpx.get(engine.url + path).status_code == 200,
+            90,
+            f"engine ({log.read_text()[-2000:]})",
+        )
         return engine
 
     yield start

@@ -16,7 +16,11 @@ from ember.engine.spec import VersionSpec
 def test_fit_recovers_exact_coefficients() -> None:
     samples = [(i, o, 0.002 * i + 0.01 * o + 0.05) for i in (1, 50, 100, 400) for o in (0, 10, 64)]
     alpha, beta, gamma = fit(samples)
-    assert alpha == pytest.approx(0.002) and beta == pytest.approx(0.01) and gamma == pytest.approx(0.05)
+    assert (
+        alpha == pytest.approx(0.002)
+        and beta == pytest.approx(0.01)
+        and gamma == pytest.approx(0.05)
+    )
 
 
 def test_fit_folds_a_constant_size_into_gamma() -> None:

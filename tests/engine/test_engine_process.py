@@ -19,7 +19,9 @@ def infer(url: str, n: int = 1, **extra: Any) -> httpx.Response:
     return httpx.post(f"{url}/infer", json={"instances": [X] * n, **extra}, timeout=60)
 
 
-def test_concurrent_requests_are_batched(start_engine: StartEngine, mlp_spec: dict[str, Any]) -> None:
+def test_concurrent_requests_are_batched(
+    start_engine: StartEngine, mlp_spec: dict[str, Any]
+) -> None:
     engine = start_engine(mlp_spec, "--max-batch-size", "64", "--max-queue-delay-ms", "50")
     before = engine.metric("ember_forward_passes_total")
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
@@ -31,17 +33,26 @@ def test_concurrent_requests_are_batched(start_engine: StartEngine, mlp_spec: di
     passes = engine.metric("ember_forward_passes_total") - before
     assert 1 <= passes < 32 / 2, passes  # 32 requests shared far fewer forward passes
     assert engine.metric("ember_inferences_total") == 32
-    assert responses[0].headers["x-ember-model"] == "mlp" and responses[0].headers["x-ember-version"] == "1"
+    assert (
+        responses[0].headers["x-ember-model"] == "mlp"
+        and responses[0].headers["x-ember-version"] == "1"
+    )
 
 
 def test_health_probe_jumps_a_full_queue_and_overflow_is_429(
     start_engine: StartEngine, slow_spec: dict[str, Any]
 ) -> None:
-    slower = dict(slow_spec, engine_config={**slow_spec["engine_config"], "kwargs": {"delay_s": 1.0}})
-    engine = start_engine(slower, "--max-batch-size", "1", "--max-queue", "4", "--max-queue-delay-ms", "0")
+    slower = dict(
+        slow_spec, engine_config={**slow_spec["engine_config"], "kwargs": {"delay_s": 1.0}}
+    )
+    engine = start_engine(
+        slower, "--max-batch-size", "1", "--max-queue", "4", "--max-queue-delay-ms", "0"
+    )
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         queued = [pool.submit(infer, engine.url) for _ in range(5)]  # 1 computing + 4 queued
-        wait_until(lambda: engine.metric("ember_queue_depth", priority="online") == 4, 30, "full queue")
+        wait_until(
+            lambda: engine.metric("ember_queue_depth", priority="online") == 4, 30, "full queue"
+        )
         overflow = infer(engine.url)
         probe = httpx.get(f"{engine.url}/healthz", timeout=30)
         still_queued = httpx.get(f"{engine.url}/info").json()["queued"]
@@ -57,11 +68,15 @@ def test_health_probe_jumps_a_full_queue_and_overflow_is_429(
 def test_expired_deadlines_are_dropped_before_compute(
     start_engine: StartEngine, slow_spec: dict[str, Any]
 ) -> None:
-    slower = dict(slow_spec, engine_config={**slow_spec["engine_config"], "kwargs": {"delay_s": 2.0}})
+    slower = dict(
+        slow_spec, engine_config={**slow_spec["engine_config"], "kwargs": {"delay_s": 2.0}}
+    )
     engine = start_engine(slower, "--max-batch-size", "1", "--max-queue-delay-ms", "0")
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         blocker = pool.submit(infer, engine.url, 1)
-        wait_until(lambda: httpx.get(f"{engine.url}/info").json()["inflight_units"] > 0, 30, "blocker")
+        wait_until(
+            lambda: httpx.get(f"{engine.url}/info").json()["inflight_units"] > 0, 30, "blocker"
+        )
         late = [pool.submit(infer, engine.url, 1, timeout_ms=200) for _ in range(3)]
         assert blocker.result().status_code == 200
         results = [f.result() for f in late]
@@ -80,7 +95,9 @@ def test_caps_and_bad_instances(start_engine: StartEngine, mlp_spec: dict[str, A
     assert wrong.status_code == 422 and "shape" in wrong.json()["detail"]
     text = httpx.post(f"{engine2.url}/infer", json={"instances": ["hello"]})
     assert text.status_code == 422
-    malformed = httpx.post(f"{engine2.url}/infer", content=b"{", headers={"content-type": "application/json"})
+    malformed = httpx.post(
+        f"{engine2.url}/infer", content=b"{", headers={"content-type": "application/json"}
+    )
     assert malformed.status_code == 400
     bad_priority = infer(engine2.url, priority="urgent")
     assert bad_priority.status_code == 422
@@ -88,7 +105,9 @@ def test_caps_and_bad_instances(start_engine: StartEngine, mlp_spec: dict[str, A
     assert infer(engine2.url, 3, priority="batch").status_code == 200
 
 
-def test_tier_round_trips_give_identical_outputs(start_engine: StartEngine, mlp_spec: dict[str, Any]) -> None:
+def test_tier_round_trips_give_identical_outputs(
+    start_engine: StartEngine, mlp_spec: dict[str, Any]
+) -> None:
     engine = start_engine(mlp_spec)
     reference = infer(engine.url, 2).json()["predictions"]
     for tier in ("warm", "standby"):
@@ -102,9 +121,15 @@ def test_tier_round_trips_give_identical_outputs(start_engine: StartEngine, mlp_
     assert httpx.post(f"{engine.url}/tier", json={"tier": "lukewarm"}).status_code == 422
 
 
-def test_standby_process_is_assigned_a_version(start_engine: StartEngine, mlp_spec: dict[str, Any]) -> None:
+def test_standby_process_is_assigned_a_version(
+    start_engine: StartEngine, mlp_spec: dict[str, Any]
+) -> None:
     engine = start_engine(None)
-    assert httpx.get(f"{engine.url}/readyz").json() == {"ready": False, "state": "standby", "tier": "standby"}
+    assert httpx.get(f"{engine.url}/readyz").json() == {
+        "ready": False,
+        "state": "standby",
+        "tier": "standby",
+    }
     assigned = httpx.post(f"{engine.url}/assign", json=mlp_spec, timeout=60)
     assert assigned.status_code == 200, assigned.text
     assert assigned.json()["state"] == "ready"
@@ -132,7 +157,9 @@ def test_a_corrupt_artifact_fails_the_replica_clearly(
     bad = dict(mlp_spec, sha256="0" * 64)
     engine = start_engine(bad, ready=False)
     deadline = time.monotonic() + 30
-    while httpx.get(f"{engine.url}/info").json()["state"] == "loading" and time.monotonic() < deadline:
+    while (
+        httpx.get(f"{engine.url}/info").json()["state"] == "loading" and time.monotonic() < deadline
+    ):
         time.sleep(0.1)
     info = httpx.get(f"{engine.url}/info").json()
     assert info["state"] == "failed" and "sha256" in info["failure"].lower()

@@ -25,7 +25,9 @@ def minilm_spec(data_dir: Path) -> dict[str, Any]:
                     engine_config={"task": "embedding", "max_length": 256})  # fmt: skip
 
 
-def test_embeddings_match_sentence_transformers(start_engine: StartEngine, minilm_spec: dict[str, Any]) -> None:
+def test_embeddings_match_sentence_transformers(
+    start_engine: StartEngine, minilm_spec: dict[str, Any]
+) -> None:
     from sentence_transformers import SentenceTransformer
 
     engine = start_engine(minilm_spec)
@@ -36,11 +38,18 @@ def test_embeddings_match_sentence_transformers(start_engine: StartEngine, minil
     reference = SentenceTransformer(str(gt.get_model_path()), device="cpu").encode(
         TEXTS, normalize_embeddings=True
     )
-    cosine = (ours * reference).sum(axis=1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(reference, axis=1)
+    cosine = (
+        (ours * reference).sum(axis=1)
+        / np.linalg.norm(ours, axis=1)
+        / np.linalg.norm(reference, axis=1)
+    )
     assert cosine.min() >= 0.999, cosine
     assert np.allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
     as_objects = httpx.post(f"{engine.url}/infer", json={"instances": [{"text": TEXTS[0]}]})
     assert np.allclose(as_objects.json()["predictions"][0], ours[0], atol=1e-5)
     bad = httpx.post(f"{engine.url}/infer", json={"instances": [42]})
     assert bad.status_code == 422
-    assert hashlib.sha256(Path(minilm_spec["artifact_uri"][7:]).read_bytes()).hexdigest() == minilm_spec["sha256"]
+    assert (
+        hashlib.sha256(Path(minilm_spec["artifact_uri"][7:]).read_bytes()).hexdigest()
+        == minilm_spec["sha256"]
+    )

@@ -10,8 +10,8 @@ from ember.api.deps import Cursor, Limit, PrincipalDep, SessionDep, SettingsDep
 from ember.registry import catalog
 from ember.registry.schemas import (
     NAME_PATTERN,
-    CostModelPublic,
     VERSION_PATTERN,
+    CostModelPublic,
     ModelCreate,
     ModelPublic,
     ModelVersionCreate,

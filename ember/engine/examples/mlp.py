@@ -8,7 +8,9 @@ import torch
 from safetensors.torch import save_file
 
 
-def mlp(in_features: int = 256, hidden: int = 1024, out_features: int = 16, layers: int = 3) -> torch.nn.Module:
+def mlp(
+    in_features: int = 256, hidden: int = 1024, out_features: int = 16, layers: int = 3
+) -> torch.nn.Module:
     blocks: list[torch.nn.Module] = []
     width = in_features
     for _ in range(layers - 1):
