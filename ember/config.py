@@ -84,6 +84,23 @@ class Settings(BaseSettings):
     """Artifacts up to this size are validated before registration returns; larger
     ones validate in the background (status ``pending`` until done)."""
 
+    pools_enabled: bool = True
+    """Run the pools controller (replicas for every deployment) in the API process."""
+    standby_replicas: int = Field(1, ge=0, le=64)
+    """Standby processes (runtime imported, no weights) kept ready for fast scale-ups."""
+    probe_idle_s: float = Field(5.0, gt=0)
+    """Probe a ready replica's ``/healthz`` when it answered nothing for this long."""
+    probe_timeout_s: float = Field(2.0, gt=0)
+    """A probe slower than this counts as failed."""
+    probe_failures: int = Field(2, ge=1)
+    """Consecutive failed probes before a replica is killed and replaced."""
+    tenant_units_per_s: float = Field(10_000.0, gt=0)
+    """Each tenant's admission budget in model units per second."""
+    tenant_burst_units: float = Field(20_000.0, gt=0)
+    """Each tenant's burst allowance in model units."""
+    retry_budget_ratio: float = Field(0.1, ge=0, le=1)
+    """Retries allowed per request on average (0.1: at most ~10 % of requests retried)."""
+
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Lowest level logged."""
     log_format: Literal["auto", "json", "console"] = "auto"

@@ -154,3 +154,13 @@ class DeadlineExceeded(EmberError):
     status = 504
     code = "deadline-exceeded"
     title = "Deadline exceeded"
+
+
+class Upstream(EmberError):
+    """A replica's own problem answer, passed through with its status and body."""
+
+    def __init__(self, status: int, body: dict[str, Any], retry_after: str | None = None) -> None:
+        super().__init__(str(body.get("detail") or "replica error"))
+        self.upstream_status = status
+        self.body = body
+        self.retry_after = retry_after

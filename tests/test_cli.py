@@ -35,7 +35,7 @@ def start(settings: Settings, env: dict[str, str]) -> Iterator[dict[str, str]]:
 
 @pytest.fixture
 def file_env(data_dir: Path) -> Iterator[dict[str, str]]:
-    settings = Settings(data_dir=data_dir, admin_key=ADMIN_KEY)  # type: ignore[arg-type]
+    settings = Settings(data_dir=data_dir, admin_key=ADMIN_KEY, pools_enabled=False)  # type: ignore[arg-type]
     yield from start(settings, {"EMBER_DATA_DIR": str(data_dir)})
 
 
@@ -120,6 +120,7 @@ def test_push_to_s3_uses_multipart_and_validates_over_http(
         admin_key=ADMIN_KEY,
         object_store_url=f"s3://{bucket}/team",  # type: ignore[arg-type]
         s3_endpoint_url=moto_endpoint,
+        pools_enabled=False,
     )
     artifact = write_valid(tmp_path / "big.safetensors", tensors=3, rows=128 * 1024)  # 12 MiB
     for cli_env in start(settings, env):

@@ -23,8 +23,9 @@ EMBER = str(Path(sys.executable).with_name("ember"))
 @contextmanager
 def ember_up(env: dict[str, str]) -> Iterator[tuple[str, list[str]]]:
     full = {k: v for k, v in os.environ.items() if not k.startswith("EMBER_")} | env
-    proc = subprocess.Popen([EMBER, "up"], env=full, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [EMBER, "up"], env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     url = f"http://127.0.0.1:{env['EMBER_PORT']}"
     output: list[str] = []
     try:
@@ -48,8 +49,12 @@ def shutdown_redis(port: int) -> None:
 
 def test_up_prints_a_key_starts_redis_and_keeps_data(tmp_path: Path) -> None:
     redis_port = free_port()
-    env = {"EMBER_DATA_DIR": str(tmp_path / "data"), "EMBER_PORT": str(free_port()),
-           "EMBER_LOCAL_REDIS_PORT": str(redis_port)}  # fmt: skip
+    env = {
+        "EMBER_STANDBY_REPLICAS": "0",
+        "EMBER_DATA_DIR": str(tmp_path / "data"),
+        "EMBER_PORT": str(free_port()),
+        "EMBER_LOCAL_REDIS_PORT": str(redis_port),
+    }
     try:
         with ember_up(env) as (url, output):
             pass
@@ -66,6 +71,15 @@ def test_up_prints_a_key_starts_redis_and_keeps_data(tmp_path: Path) -> None:
             )
         assert "export EMBER_API_KEY" not in output[0]  # shown once
         with ember_up(env) as (url, _):
+
+            def answers() -> bool:
+                body = {"instances": ["a sentence to embed"]}
+                r = httpx.post(
+                    f"{url}/v1/models/minilm:predict", json=body, headers=headers, timeout=30
+                )
+                return r.status_code == 200 and len(r.json()["predictions"][0]) == 384
+
+            wait_until(answers, 240, "minilm predictions after ember up")
             listed = httpx.get(f"{url}/v1/models", headers=headers).json()
             assert [m["name"] for m in listed["items"]] == ["minilm", "kept"]
             deployed = httpx.get(f"{url}/v1/deployments/minilm", headers=headers).json()
@@ -80,8 +94,13 @@ def test_up_prints_a_key_starts_redis_and_keeps_data(tmp_path: Path) -> None:
 
 def test_configured_admin_key_is_the_admin_key(tmp_path: Path, redis_url: str) -> None:
     key = "ek_scripted-setup-key-123456"
-    env = {"EMBER_DATA_DIR": str(tmp_path), "EMBER_PORT": str(free_port()),
-           "EMBER_ADMIN_KEY": key, "EMBER_REDIS_URL": redis_url}  # fmt: skip
+    env = {
+        "EMBER_DATA_DIR": str(tmp_path),
+        "EMBER_PORT": str(free_port()),
+        "EMBER_ADMIN_KEY": key,
+        "EMBER_REDIS_URL": redis_url,
+        "EMBER_POOLS_ENABLED": "false",
+    }
     with ember_up(env) as (url, output):
         whoami = httpx.get(f"{url}/v1/whoami", headers={"Authorization": f"Bearer {key}"})
         assert whoami.json() == {"tenant": "default", "scope": "admin"}

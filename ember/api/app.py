@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from sqlalchemy import Engine
@@ -11,12 +12,15 @@ from sqlalchemy import Engine
 import ember
 from ember.api import problems
 from ember.api.middleware import BodyLimit, JsonBodies, RequestContext
-from ember.api.routes import deployments, health, models, tenants
+from ember.api.routes import deployments, health, models, predict, tenants
 from ember.config import Settings
 from ember.logs import get_logger
 from ember.registry.db import make_engine, migrate, session_scope
 from ember.registry.tenants import bootstrap
 from ember.registry.validation import BackgroundValidator
+
+if TYPE_CHECKING:
+    from ember.pools.gateway import Gateway
 
 log = get_logger(__name__)
 
@@ -41,12 +45,17 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         app.state.engine, _ = prepare(settings, engine)
         app.state.validator = BackgroundValidator(app.state.engine, settings)
         resumed = app.state.validator.resume_pending()
+        if settings.pools_enabled:
+            app.state.gateway = start_pools(settings, app.state.engine)
         log.info("ember api ready", registry=settings.registry_url.split("@")[-1],
                  resumed_validations=resumed)  # fmt: skip
         try:
             yield
         finally:
             app.state.validator.close()
+            if getattr(app.state, "gateway", None) is not None:
+                await app.state.gateway.close()
+                await app.state.gateway.controller.stop()
 
     app = FastAPI(
         title="Ember",
@@ -57,9 +66,24 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     )
     app.state.settings = settings
     problems.install(app)
-    for module in (health, tenants, models, deployments):
+    for module in (health, tenants, models, deployments, predict):
         app.include_router(module.router)
     app.add_middleware(JsonBodies)
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
     app.add_middleware(RequestContext)
     return app
+
+
+def start_pools(settings: Settings, engine: Engine) -> Gateway:
+    """The pools controller (local process replicas) and the gateway in front of it."""
+    from ember.pools.admission import Admission
+    from ember.pools.backends.local import LocalProcessBackend
+    from ember.pools.controller import PoolsController, ProbeSettings
+    from ember.pools.gateway import Gateway
+
+    probe = ProbeSettings(settings.probe_idle_s, settings.probe_timeout_s, settings.probe_failures)
+    controller = PoolsController(engine, LocalProcessBackend(settings),
+                                 standby_pool=settings.standby_replicas, probe=probe)  # fmt: skip
+    controller.start()
+    admission = Admission(settings.tenant_units_per_s, settings.tenant_burst_units)
+    return Gateway(controller, admission, settings.retry_budget_ratio)

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ember.errors import BackPressure, EmberError
+from ember.errors import BackPressure, EmberError, Upstream
 from ember.logs import get_logger
 
 log = get_logger(__name__)
@@ -62,6 +62,9 @@ def problem(
 
 async def _ember_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, EmberError)
+    if isinstance(exc, Upstream):
+        headers = {"Retry-After": exc.retry_after} if exc.retry_after else {}
+        return JSONResponse(exc.body, exc.upstream_status, media_type=PROBLEM_JSON, headers=headers)
     if exc.status >= 500:
         log.error("request failed", error=exc.code, detail=exc.detail)
     response = problem(exc.status, exc.code, exc.title, exc.detail, request, **exc.extra)

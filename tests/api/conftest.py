@@ -57,6 +57,7 @@ def api_settings(data_dir: Path, registry_url: str, store_dir: Path) -> Settings
         admin_key=ADMIN_KEY,  # type: ignore[arg-type]
         validate_inline_max_bytes=1024 * 1024,
         max_request_bytes=256 * 1024,
+        pools_enabled=False,
     )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
@@ -25,3 +25,10 @@ def readyz(request: Request) -> JSONResponse:
         body = {"status": "unavailable", "detail": f"registry: {type(exc).__name__}"}
         return JSONResponse(body, status_code=503)
     return JSONResponse({"status": "ready"})
+
+
+@router.get("/metrics", summary="Prometheus metrics of the pools and the gateway")
+def metrics(request: Request) -> Response:
+    gateway = getattr(request.app.state, "gateway", None)
+    data = gateway.controller.metrics.render() if gateway is not None else b""
+    return Response(data, media_type="text/plain; version=0.0.4")

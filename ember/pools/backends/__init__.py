@@ -1,0 +1,1 @@
+"""Replica backends: every process / Kubernetes side effect goes through one of these."""

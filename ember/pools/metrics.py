@@ -1,0 +1,85 @@
+"""Prometheus metrics of the pools and the gateway, per deployment and version."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from ember.pools.controller import PoolsController
+
+LATENCY = (0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+STARTUP = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
+
+
+class PoolMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        dv = ["deployment", "version"]
+        self.replicas = Gauge(
+            "ember_replicas", "Replicas by state and tier", [*dv, "state", "tier"], registry=r
+        )
+        self.replica_seconds = Counter(
+            "ember_replica_seconds", "Replica-seconds alive per tier", [*dv, "tier"], registry=r
+        )
+        self.cold_start = Histogram(
+            "ember_cold_start_seconds",
+            "Launch to ready",
+            ["model", "version"],
+            buckets=STARTUP,
+            registry=r,
+        )
+        self.replaced = Counter(
+            "ember_replicas_replaced", "Replicas replaced", ["reason"], registry=r
+        )
+        self.detect_seconds = Histogram(
+            "ember_unhealthy_detect_seconds",
+            "Last good answer to kill",
+            buckets=STARTUP,
+            registry=r,
+        )
+        self.requests = Counter(
+            "ember_gateway_requests", "Gateway outcomes", [*dv, "outcome"], registry=r
+        )
+        self.latency = Histogram(
+            "ember_gateway_latency_seconds", "End-to-end latency", dv, buckets=LATENCY, registry=r
+        )
+        self.inflight = Gauge(
+            "ember_gateway_inflight_units", "In-flight model units", dv, registry=r
+        )
+        self.cost_per_success = Gauge(
+            "ember_cost_per_success_replica_seconds",
+            "Replica-seconds per 2xx answer",
+            dv,
+            registry=r,
+        )
+        self.successes: dict[tuple[str, str], int] = {}
+        self.seconds: dict[tuple[str, str], float] = {}
+        self._last = time.monotonic()
+
+    def observe(self, controller: PoolsController) -> None:
+        now = time.monotonic()
+        dt, self._last = now - self._last, now
+        self.replicas.clear()
+        counts: dict[tuple[str, str, str, str], int] = {}
+        for replica in controller.replicas.values():
+            name = replica.key[1] or "(standby)"
+            labels = (name, replica.version or "-", replica.state, replica.tier)
+            counts[labels] = counts.get(labels, 0) + 1
+            self.replica_seconds.labels(name, replica.version or "-", replica.tier).inc(dt)
+            key = (name, replica.version or "-")
+            self.seconds[key] = self.seconds.get(key, 0.0) + dt
+        for labels, n in counts.items():
+            self.replicas.labels(*labels).set(n)
+        for key, ok in self.successes.items():
+            if ok:
+                self.cost_per_success.labels(*key).set(self.seconds.get(key, 0.0) / ok)
+
+    def success(self, deployment: str, version: str) -> None:
+        key = (deployment, version)
+        self.successes[key] = self.successes.get(key, 0) + 1
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

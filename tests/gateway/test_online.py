@@ -1,0 +1,140 @@
+"""Online predict end to end through real replicas: routing, canary, stickiness,
+failures (SIGKILL, SIGSTOP), overload, and a rollout to a corrupt artifact."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections import Counter
+
+from tests.gateway.conftest import Live, deploy
+
+
+def test_predict_canary_and_sticky_sessions(live: Live) -> None:
+    live.register("mlp", "1")
+    live.register("mlp", "2")
+    deploy(live, "mlp", min_hot=2)
+    ok = live.predict("mlp", 2)
+    assert ok.status_code == 200, ok.text
+    assert len(ok.json()["predictions"]) == 2 and len(ok.json()["predictions"][0]) == 16
+    assert ok.headers["x-ember-version"] == "1" and ok.headers["x-ember-replica"]
+    pinned = live.client.post(
+        "/v1/models/mlp/versions/1:predict", json={"instances": [[0.0] * 256]}
+    )
+    assert pinned.status_code == 200 and pinned.json()["version"] == "1"
+    replicas = {r["replica_id"]: r for r in live.ready("mlp")}
+    assert len(replicas) == 2 and all(r["pid"] and r["port"] for r in replicas.values())
+
+    # Sticky: one session key stays on one replica while it is not overloaded.
+    served = {
+        live.predict("mlp", headers={"X-Ember-Session": "user-42"}).headers["x-ember-replica"]
+        for _ in range(15)
+    }
+    assert len(served) == 1
+
+    # Canary: 30 % to version 2, once its replica is ready.
+    live.client.post("/v1/deployments/mlp:canary", json={"version": "2", "weight": 30})
+    live.wait(lambda: bool(live.ready("mlp", "2")), "canary replica")
+    versions = Counter(live.predict("mlp").headers["x-ember-version"] for _ in range(200))
+    assert 0.2 <= versions["2"] / 200 <= 0.4, versions  # 3 sigma of Binomial(200, 0.3) = 0.097
+
+    bad = live.client.post("/v1/models/mlp:predict", json={"instances": [[1, 2]]})
+    assert bad.status_code == 422 and "shape" in bad.json()["detail"]
+    assert live.client.post("/v1/models/nope:predict", json={"instances": [1]}).status_code == 404
+    metrics = live.client.get("/metrics").text
+    assert 'ember_gateway_requests_total{deployment="mlp",outcome="ok",version="2"}' in metrics
+
+
+def test_sigkill_under_load_loses_nothing_and_is_replaced(live: Live) -> None:
+    live.register("mlp", "1")
+    deploy(live, "mlp", min_hot=2)
+    victim = live.ready("mlp")[0]
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            statuses.append(live.predict("mlp").status_code)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        workers = [pool.submit(load) for _ in range(4)]
+        time.sleep(1.0)
+        os.kill(victim["pid"], signal.SIGKILL)
+        time.sleep(2.0)
+        stop.set()
+        for w in workers:
+            w.result()
+    failed = [s for s in statuses if s != 200]
+    assert len(statuses) > 20 and len(failed) <= 0.1 * len(statuses), Counter(statuses)
+    live.wait(
+        lambda: (
+            len(live.ready("mlp")) == 2
+            and victim["replica_id"] not in {r["replica_id"] for r in live.ready("mlp")}
+        ),
+        "replacement",
+    )
+    assert any(
+        e["event"] == "failed" and e["replica_id"] == victim["replica_id"]
+        for e in live.events("mlp")
+    )
+
+
+def test_sigstopped_replica_is_detected_and_replaced(live: Live) -> None:
+    live.register("mlp", "1")
+    deploy(live, "mlp")
+    victim = live.ready("mlp")[0]
+    os.kill(victim["pid"], signal.SIGSTOP)
+    try:
+        live.wait(
+            lambda: any(
+                e["event"] == "killed" and e["replica_id"] == victim["replica_id"]
+                for e in live.events("mlp")
+            ),
+            "detection",
+            60,
+        )
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim["pid"], signal.SIGKILL)
+    killed = next(e for e in live.events("mlp") if e["event"] == "killed")
+    # idle 0.5 s before the first probe, then 2 probes of at most 1 s each, + ticks (0.25 s)
+    assert killed["detected_after_s"] <= 0.5 + 2 * (1.0 + 0.25) + 1.0, killed
+    live.wait(lambda: len(live.ready("mlp")) == 1, "replacement")
+    assert live.predict("mlp").status_code == 200
+
+
+def test_overload_sheds_with_429_never_5xx(live: Live) -> None:
+    live.register("slow", "1", slow_s=0.2)
+    deploy(live, "slow", max_batch_size=2, max_queue_delay_ms=0)
+    with concurrent.futures.ThreadPoolExecutor(40) as pool:
+        responses = list(pool.map(lambda _: live.predict("slow", timeout_ms=10_000), range(120)))
+    codes = Counter(r.status_code for r in responses)
+    assert set(codes) <= {200, 429}, codes
+    assert codes[429] > 0 and codes[200] > 0, codes
+    shed = next(r for r in responses if r.status_code == 429)
+    assert int(shed.headers["retry-after"]) >= 1
+    assert shed.headers["content-type"].startswith("application/problem+json")
+
+
+def test_rollout_to_a_corrupt_artifact_keeps_the_old_version_serving(live: Live) -> None:
+    live.register("mlp", "1")
+    path = live.register("mlp", "2")
+    deploy(live, "mlp")
+    with path.open("r+b") as fh:  # flip bytes after registration: the sha256 no longer matches
+        fh.seek(-64, os.SEEK_END)
+        fh.write(b"\xff" * 64)
+    assert live.client.post("/v1/deployments/mlp:promote", json={"version": "2"}).status_code == 200
+    live.wait(
+        lambda: any(e["event"] == "failed" and e["version"] == "2" for e in live.events("mlp")),
+        "the corrupt version to fail",
+        120,
+    )
+    for _ in range(10):
+        response = live.predict("mlp")
+        assert response.status_code == 200 and response.headers["x-ember-version"] == "1"
+    failure = next(e for e in live.events("mlp") if e["event"] == "failed" and e["version"] == "2")
+    assert "sha256" in failure["reason"].lower()
