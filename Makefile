@@ -13,14 +13,13 @@ up: venv system-redis
 	$(VENV)/bin/ember up
 
 ## test: install what the tests need, start their services, run lint, types and the suite
-test: venv vllm-venv system-redis system-postgres
-	$(VENV)/bin/ruff check ember tests bench scripts
-	$(VENV)/bin/ruff format --check ember tests bench scripts
-	$(VENV)/bin/mypy
-	$(PY) -m pytest
+## test: install, start services, lint, types, the whole suite (scripts/test.sh: the vLLM
+## venv build and the infra checks run in the background meanwhile)
+test: venv system-redis system-postgres
+	scripts/test.sh
 
 unit: venv
-	$(PY) -m pytest -m "not infra"
+	$(PY) -m pytest -m "not infra and not slow"
 
 lint: venv
 	$(VENV)/bin/ruff check ember tests bench scripts

@@ -143,3 +143,18 @@ def fresh_postgres_database(server_url: str) -> str:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
     return server_url.rsplit("/", 1)[0] + f"/{name}"
+
+
+def background_job(name: str, timeout_s: float = 1800) -> tuple[int, str] | None:
+    """The result of a set-up job `scripts/test.sh` started in the background (its exit
+    status and log), waiting for it to finish; None when the suite runs without one."""
+    jobs = os.environ.get("TEST_JOBS_DIR")
+    if not jobs or not (Path(jobs) / f"{name}.log").exists():
+        return None
+    rc_file, log_file = Path(jobs) / f"{name}.rc", Path(jobs) / f"{name}.log"
+    deadline = time.monotonic() + timeout_s
+    while not rc_file.exists() or not rc_file.read_text().strip():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"background job {name} still running after {timeout_s}s")
+        time.sleep(1)
+    return int(rc_file.read_text().strip()), log_file.read_text()
