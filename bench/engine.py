@@ -8,6 +8,8 @@ Prints a table, then one JSON line:
 ``batched_vs_unbatched_throughput``, ``batched_p99_vs_unbatched_p99``.
 
     python bench/engine.py [--seconds 20] [--concurrency 64]
+
+Needs ``wrk`` (Debian package; ``make bench-engine`` installs it).
 """
 
 from __future__ import annotations
@@ -78,6 +80,37 @@ def start_replica(workdir: Path, batch: bool) -> tuple[subprocess.Popen[bytes], 
     return proc, url
 
 
+WRK_SCRIPT = """
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = [==[%s]==]
+done = function(summary, latency, requests)
+  io.write(string.format("RESULT %%d %%f %%f %%f\\n", summary.requests, summary.duration / 1e6,
+    latency:percentile(50) / 1e3, latency:percentile(99) / 1e3))
+  io.write(string.format("ERRORS %%d\\n", summary.errors.status + summary.errors.connect
+    + summary.errors.read + summary.errors.write + summary.errors.timeout))
+end
+"""
+
+
+def wrk_closed_loop(url: str, connections: int, seconds: float, workdir: Path) -> dict[str, float]:
+    """Max throughput with wrk (C, one thread on the load generator's CPU): a Python
+    client tops out far below a batching replica (httpx's pool collapses at 64
+    connections), so it would measure itself."""
+    script = workdir / "infer.lua"
+    script.write_text(WRK_SCRIPT % json.dumps({"instances": [X]}))
+    out = subprocess.run(
+        ["wrk", "-t1", f"-c{connections}", f"-d{int(seconds)}s", "--timeout", "30s",
+         "-s", str(script), f"{url}/infer"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    fields = next(line for line in out.splitlines() if line.startswith("RESULT")).split()
+    errors = int(next(line for line in out.splitlines() if line.startswith("ERRORS")).split()[1])
+    n, duration = int(fields[1]), float(fields[2])
+    return {"max_rps": n / duration, "max_p50_ms": float(fields[3]),
+            "max_p99_ms": float(fields[4]), "max_errors": errors}  # fmt: skip
+
+
 async def closed_loop(url: str, concurrency: int, seconds: float) -> tuple[float, list[float]]:
     latencies: list[float] = []
     stop = time.perf_counter() + seconds
@@ -137,7 +170,7 @@ def pct(values: list[float], q: float) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=20)
-    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=64, help="wrk connections")
     args = parser.parse_args()
     if len(os.sched_getaffinity(0)) > 1:
         os.sched_setaffinity(0, {0})  # the load generator stays off the replica's CPU
@@ -148,12 +181,7 @@ def main() -> None:
             proc, url = start_replica(workdir, batch=mode == "batched")
             try:
                 asyncio.run(closed_loop(url, 8, 3))  # warm-up
-                rps, lat = asyncio.run(closed_loop(url, args.concurrency, args.seconds))
-                results[mode] = {
-                    "max_rps": rps,
-                    "max_p50_ms": pct(lat, 0.5),
-                    "max_p99_ms": pct(lat, 0.99),
-                }
+                results[mode] = wrk_closed_loop(url, args.concurrency, args.seconds, workdir)
             finally:
                 proc.terminate()
                 proc.wait(30)

@@ -217,8 +217,10 @@ def _resolve_version(settings: Settings, model: str, version: str) -> tuple[str,
 
 
 from ember.loader.cli import make_cache_app  # noqa: E402
+from ember.pools.cli import simulate_command  # noqa: E402
 
 app.add_typer(make_cache_app(_resolve_version), name="cache")
+app.command("simulate")(simulate_command)
 
 
 if __name__ == "__main__":

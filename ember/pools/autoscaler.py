@@ -1,0 +1,456 @@
+"""Predictive autoscaler: scale to warm, ahead of demand.
+
+The policy is a pure function, shaped like Ray Serve's
+``replica_queue_length_autoscaling_policy``: it takes what was observed, the state it
+returned last time and its config, and returns the replicas it wants per tier with its
+new state and the reasons::
+
+    decision = decide(observation, state, config, now)
+    decision.desired      # TierCounts(hot=..., warm=..., standby=...)
+    decision.state        # feed it back next tick
+    decision.reasons      # why, in words
+
+:class:`Autoscaler` holds the state, stamps the clock and logs every decision with its
+inputs. The pools controller and the simulator both call it; nothing else changes state.
+
+How ``decide`` works, all in model units per second:
+
+1. **Forecast** demand ``lead`` seconds ahead: level + trend (time-aware Holt smoothing)
+   scaled by a daily / weekly profile learned from history, and at least a **burst guard**
+   (a decaying envelope of recent short-window demand).
+2. ``lead`` is the measured promotion time (p95) of the tier it would promote from: warm
+   if it holds a warm replica, else standby, else cold.
+3. Hot replicas = forecast (plus what drains the queue within ``drain_s``) over
+   ``capacity x target_utilization``. **Panic** when the queue grows while demand exceeds
+   hot capacity: size for demand and queue at full utilization and never scale down.
+4. Scale-down only after ``stabilization_s`` (the most hot replicas recommended in that
+   window stays), and **one tier at a time**: a hot replica becomes warm, stays warm for
+   ``warm_keep_s``, then standby for ``standby_keep_s``, then goes. Scale-up is at once.
+5. ``min_hot`` floor, ``max_replicas`` cap (hot + warm + standby). A model that opts out
+   of the hot floor (``scale_to_zero``) keeps ``min_warm`` warm replicas instead of none.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import Any, Generic, TypeVar
+
+from ember.logs import get_logger, model_context
+from ember.registry.schemas import PoolPolicy
+
+_EPS = 1e-9
+
+
+class Tier(StrEnum):
+    HOT = "hot"
+    WARM = "warm"
+    STANDBY = "standby"
+    COLD = "cold"
+
+
+@dataclass(frozen=True, slots=True)
+class TierCounts:
+    """Replicas per tier (cold replicas are not counted: nothing of them is alive)."""
+
+    hot: int = 0
+    warm: int = 0
+    standby: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.hot + self.warm + self.standby
+
+
+@dataclass(frozen=True, slots=True)
+class PromotionTimes:
+    """Seconds from a tier to serving (p95, learned online by the controller)."""
+
+    warm_s: float = 2.0
+    """Weights in host RAM: one host-to-device copy (~1 GiB model)."""
+    standby_s: float = 5.0
+    """Process up, no weights: stream from NVMe at ~1.5 GB/s plus the copy."""
+    cold_s: float = 30.0
+    """Nothing alive: spawn, imports, load."""
+
+    def of(self, tier: Tier) -> float:
+        if tier is Tier.HOT:
+            return 0.0
+        return {Tier.WARM: self.warm_s, Tier.STANDBY: self.standby_s, Tier.COLD: self.cold_s}[tier]
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What the controller (or the simulator) saw over the last ``interval_s`` seconds.
+
+    Demand and capacity are in model units (see ``ember.costmodel``); request counts are
+    there only for policies that think in requests (Ray Serve's ongoing requests).
+    """
+
+    interval_s: float
+    arrived_units_per_s: float
+    """Demand that arrived, admitted or not."""
+    admitted_units_per_s: float
+    inflight_units: float
+    queued_units: float
+    capacity_units_per_s: float
+    """One hot replica's throughput (calibration)."""
+    ready: TierCounts
+    """Replicas ready in each tier now (``hot`` = serving)."""
+    promoting: int = 0
+    """Replicas on their way to hot."""
+    promotion: PromotionTimes = field(default_factory=PromotionTimes)
+    inflight_requests: float = 0.0
+    queued_requests: float = 0.0
+
+
+S = TypeVar("S")
+C = TypeVar("C")
+
+
+@dataclass(frozen=True, slots=True)
+class Decision(Generic[S]):
+    desired: TierCounts
+    state: S
+    reasons: tuple[str, ...]
+    forecast_units_per_s: float = 0.0
+    lead_s: float = 0.0
+    next_eval_s: float = math.inf
+    """Earliest time the decision can change if nothing arrives (a hint for simulators
+    that skip idle stretches; a live controller just ticks)."""
+
+
+Policy = Callable[[Observation, S, C, float], Decision[S]]
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True, slots=True)
+class EmberConfig:
+    """The deployment's :class:`PoolPolicy` fields plus the autoscaler's own knobs."""
+
+    min_hot: int = 1
+    scale_to_zero: bool = False
+    max_replicas: int = 4
+    target_utilization: float = 0.7
+    level_tau_s: float = 60.0
+    """Smoothing of the demand level."""
+    trend_tau_s: float = 120.0
+    """Smoothing of the demand trend."""
+    burst_tau_s: float = 10.0
+    """Short-window demand the burst guard follows."""
+    burst_decay_s: float = 120.0
+    """How fast the burst guard forgets a burst."""
+    burst_guard: float = 0.75
+    """Fraction of the recent short-window peak kept at full capacity."""
+    profile_bin_s: float = 600.0
+    profile_periods_s: tuple[float, ...] = (86_400.0, 604_800.0)
+    profile_weight: float = 0.3
+    """Weight of the newest period in a profile bin (EWMA across days / weeks)."""
+    drain_s: float = 4.0
+    """Extra hot capacity drains the queue within this."""
+    panic_hold_s: float = 5.0
+    panic_wait_s: float = 1.0
+    """Panic when the queue holds more than this many seconds of hot capacity and grows."""
+    stabilization_s: float = 120.0
+    """Hot -> warm only after this long with fewer hot replicas recommended."""
+    burst_hold_s: float = 15.0
+    """Capacity added for a queue or a panic stays hot this long."""
+    idle_hold_s: float = 30.0
+    """No arrivals for this long: drop to the ``min_hot`` floor (hot -> warm)."""
+    warm_keep_s: float = 600.0
+    standby_keep_s: float = 7_200.0
+    warm_spare_fraction: float = 0.25
+    """Warm replicas kept per hot one, so the next scale-up is a warm promotion."""
+    min_warm: int | None = None
+    """Warm floor; default 1 when ``min_hot`` is 0 (scale to warm, not to zero)."""
+    tick_s: float = 1.0
+
+    @classmethod
+    def from_policy(cls, policy: PoolPolicy, **knobs: Any) -> EmberConfig:
+        return cls(
+            min_hot=policy.min_hot,
+            scale_to_zero=policy.scale_to_zero,
+            max_replicas=policy.max_replicas,
+            target_utilization=policy.target_utilization,
+            **knobs,
+        )
+
+    @property
+    def warm_floor(self) -> int:
+        if self.min_warm is not None:
+            return self.min_warm
+        return 1 if self.min_hot == 0 else 0
+
+
+# ------------------------------------------------------------------------- forecaster
+
+
+@dataclass(frozen=True, slots=True)
+class Forecaster:
+    """Holt level + trend, burst envelope and periodic profiles; immutable."""
+
+    level: float = 0.0
+    trend: float = 0.0
+    short: float = 0.0
+    envelope: float = 0.0
+    bin_start_s: float | None = None
+    bin_units: float = 0.0
+    profiles: tuple[tuple[float, ...], ...] = ()
+    """Per period, units/s per bin (NaN: never seen)."""
+
+    def update(self, demand: float, dt: float, now: float, cfg: EmberConfig) -> Forecaster:
+        a_level = 1.0 - math.exp(-dt / cfg.level_tau_s)
+        level = self.level + a_level * (demand - self.level)
+        slope = (level - self.level) / dt if dt > 0 else 0.0
+        trend = self.trend + (1.0 - math.exp(-dt / cfg.trend_tau_s)) * (slope - self.trend)
+        short = self.short + (1.0 - math.exp(-dt / cfg.burst_tau_s)) * (demand - self.short)
+        envelope = max(short, self.envelope * math.exp(-dt / cfg.burst_decay_s))
+        out = replace(self, level=level, trend=trend, short=short, envelope=envelope)
+        return out._roll_profile(demand * dt, now, cfg)
+
+    def _roll_profile(self, units: float, now: float, cfg: EmberConfig) -> Forecaster:
+        if self.bin_start_s is None:
+            start = math.floor(now / cfg.profile_bin_s) * cfg.profile_bin_s
+            profiles = tuple(
+                (math.nan,) * round(p / cfg.profile_bin_s) for p in cfg.profile_periods_s
+            )
+            return replace(self, bin_start_s=start, bin_units=units, profiles=profiles)
+        if now < self.bin_start_s + cfg.profile_bin_s:
+            return replace(self, bin_units=self.bin_units + units)
+        rate = self.bin_units / cfg.profile_bin_s
+        profiles = tuple(
+            _set_bin(prof, _bin(self.bin_start_s, len(prof), cfg), rate, cfg.profile_weight)
+            for prof in self.profiles
+        )
+        start = math.floor(now / cfg.profile_bin_s) * cfg.profile_bin_s
+        return replace(self, bin_start_s=start, bin_units=units, profiles=profiles)
+
+    def profile_ratio(self, now: float, lead: float, cfg: EmberConfig) -> float:
+        """Profile at ``now + lead`` over profile now (longest period with data; 1 if none)."""
+        for prof in reversed(self.profiles):
+            here = prof[_bin(now, len(prof), cfg)]
+            there = prof[_bin(now + lead, len(prof), cfg)]
+            if not math.isnan(here) and not math.isnan(there) and here > 0:
+                return there / here
+        return 1.0
+
+    def forecast(self, now: float, lead: float, cfg: EmberConfig) -> float:
+        holt = self.level + self.trend * lead
+        seasonal = self.level * self.profile_ratio(now, lead, cfg)
+        return max(holt, seasonal, 0.0)
+
+
+def _bin(t: float, nbins: int, cfg: EmberConfig) -> int:
+    return int(t // cfg.profile_bin_s) % nbins
+
+
+def _set_bin(prof: tuple[float, ...], k: int, value: float, w: float) -> tuple[float, ...]:
+    old = prof[k]
+    new = value if math.isnan(old) else old + w * (value - old)
+    return (*prof[:k], new, *prof[k + 1 :])
+
+
+# ------------------------------------------------------------------------- the policy
+
+
+@dataclass(frozen=True, slots=True)
+class EmberState:
+    forecaster: Forecaster = field(default_factory=Forecaster)
+    last_t: float | None = None
+    last_arrival_t: float = -math.inf
+    last_queued: float = 0.0
+    panic_until: float = -math.inf
+    recent: tuple[tuple[float, int], ...] = ()
+    """(time, hot for sustained demand), a max-deque over ``standby_keep_s``."""
+    bursts: tuple[tuple[float, int], ...] = ()
+    """(time, hot including queue and panic), a max-deque over ``burst_hold_s``."""
+
+
+def _push_max(
+    window: tuple[tuple[float, int], ...], now: float, value: int, span: float
+) -> tuple[tuple[float, int], ...]:
+    kept = [e for e in window if e[0] > now - span]
+    while kept and kept[-1][1] <= value:
+        kept.pop()
+    kept.append((now, value))
+    return tuple(kept)
+
+
+def _max_since(window: tuple[tuple[float, int], ...], since: float) -> int:
+    # Values fall along the deque, so the first entry inside the span is its maximum.
+    for t, v in window:
+        if t > since:
+            return v
+    return 0
+
+
+def _source_tier(obs: Observation) -> Tier:
+    if obs.ready.warm > 0:
+        return Tier.WARM
+    if obs.ready.standby > 0:
+        return Tier.STANDBY
+    return Tier.COLD
+
+
+def decide(
+    obs: Observation, state: EmberState, cfg: EmberConfig, now: float
+) -> Decision[EmberState]:
+    """Ember's predictive policy (pure; see the module docstring)."""
+    dt = max(obs.interval_s, _EPS)
+    demand = obs.arrived_units_per_s
+    fc = state.forecaster.update(demand, dt, now, cfg)
+    last_arrival = now if demand > 0 else state.last_arrival_t
+    source = _source_tier(obs)
+    lead = obs.promotion.of(source)
+    forecast = fc.forecast(now, lead, cfg)
+    guard = fc.envelope * cfg.burst_guard
+    cap = max(obs.capacity_units_per_s, _EPS)
+    drain = obs.queued_units / cfg.drain_s
+    reasons: list[str] = []
+    base = math.ceil(forecast / (cap * cfg.target_utilization) - _EPS)
+    reasons.append(f"forecast {forecast:.3g} u/s at +{lead:g}s (lead from {source}) -> {base}")
+    if guard > 0 and math.ceil(guard / cap - _EPS) > base:
+        base = math.ceil(guard / cap - _EPS)
+        reasons.append(f"burst guard {guard:.3g} u/s -> {base}")
+    want = base
+    if drain > 0:
+        want += math.ceil(drain / cap - _EPS)
+        reasons.append(f"queue {obs.queued_units:.3g} u to drain in {cfg.drain_s:g}s -> {want}")
+    hot_now = obs.ready.hot + obs.promoting
+    hot_cap = obs.ready.hot * cap
+    panic_until = state.panic_until
+    growing = obs.queued_units > state.last_queued + _EPS and demand > hot_cap
+    if growing and obs.queued_units > cfg.panic_wait_s * hot_cap:
+        panic_until = now + cfg.panic_hold_s
+    if now < panic_until:
+        want = max(want, math.ceil((demand + drain) / cap - _EPS), hot_now)
+        reasons.append(f"panic until +{panic_until - now:.0f}s: no scale-down -> {want}")
+    idle = now - last_arrival >= cfg.idle_hold_s and obs.queued_units <= _EPS
+    if idle:
+        base = want = 0
+    base, want = min(base, cfg.max_replicas), min(want, cfg.max_replicas)
+    # Sustained demand (base) steps down only after the stabilization window; capacity
+    # added for a queue or a panic goes back to warm after the short burst hold (it comes
+    # back in one warm promotion if needed).
+    recent = _push_max(state.recent, now, base, cfg.standby_keep_s)
+    bursts = _push_max(state.bursts, now, want, cfg.burst_hold_s)
+    held = _max_since(recent, now - cfg.stabilization_s)
+    hot = want if idle else max(want, held, _max_since(bursts, now - cfg.burst_hold_s))
+    if hot > want:
+        reasons.append(f"stabilizing: {hot} hot (most in the last {cfg.stabilization_s:g}s)")
+    if idle:
+        reasons.append(f"idle {now - last_arrival:.0f}s: hot -> warm down to the floor")
+    if hot < cfg.min_hot:
+        hot = cfg.min_hot
+        reasons.append(f"floor min_hot={cfg.min_hot}")
+    hot = min(hot, cfg.max_replicas)
+    warm = max(
+        cfg.warm_floor,
+        math.ceil(cfg.warm_spare_fraction * hot - _EPS),
+        _max_since(recent, now - cfg.warm_keep_s) - hot,
+    )
+    warm = max(0, min(warm, cfg.max_replicas - hot))
+    standby = _max_since(recent, now - cfg.standby_keep_s) - hot - warm
+    standby = max(0, min(standby, cfg.max_replicas - hot - warm))
+    new_state = EmberState(fc, now, last_arrival, obs.queued_units, panic_until, recent, bursts)
+    return Decision(
+        desired=TierCounts(hot, warm, standby),
+        state=new_state,
+        reasons=tuple(reasons),
+        forecast_units_per_s=forecast,
+        lead_s=lead,
+        next_eval_s=_next_eval(obs, new_state, cfg, now, idle),
+    )
+
+
+def _next_eval(obs: Observation, st: EmberState, cfg: EmberConfig, now: float, idle: bool) -> float:
+    busy = obs.arrived_units_per_s > 0 or obs.queued_units > _EPS or obs.promoting > 0
+    if busy or not idle:
+        return now + cfg.tick_s
+    # Idle: only the tier windows can change the answer; wake when the oldest expires.
+    expiries = [
+        t + span
+        for t, _ in st.recent
+        for span in (cfg.stabilization_s, cfg.warm_keep_s, cfg.standby_keep_s)
+        if t + span > now
+    ]
+    return min(expiries, default=math.inf)
+
+
+# ---------------------------------------------------------------------------- wrapper
+
+
+class Autoscaler(Generic[S, C]):
+    """Holds a policy's state and is what the pools controller and the simulator call.
+
+    ``step(observation)`` stamps the clock, runs the pure policy, keeps the new state and
+    logs the decision (inputs, desired tiers, reasons) in the model's context. With
+    ``record=True`` it keeps ``(now, observation, decision)`` for replay.
+    """
+
+    def __init__(
+        self,
+        policy: Policy[S, C],
+        config: C,
+        state: S,
+        *,
+        clock: Callable[[], float],
+        model: str = "",
+        version: str = "",
+        log_decisions: bool = True,
+        record: bool = False,
+    ) -> None:
+        self.policy = policy
+        self.config = config
+        self.state = state
+        self.clock = clock
+        self.model = model
+        self.version = version
+        self.log_decisions = log_decisions
+        self.history: list[tuple[float, Observation, Decision[S]]] | None = [] if record else None
+        self._log = get_logger("ember.pools.autoscaler")
+        self._last: TierCounts | None = None
+
+    def step(self, obs: Observation, now: float | None = None) -> Decision[S]:
+        t = self.clock() if now is None else now
+        decision = self.policy(obs, self.state, self.config, t)
+        self.state = decision.state
+        if self.history is not None:
+            self.history.append((t, obs, decision))
+        if self.log_decisions:
+            self._emit(t, obs, decision)
+        self._last = decision.desired
+        return decision
+
+    def _emit(self, t: float, obs: Observation, d: Decision[S]) -> None:
+        changed = d.desired != self._last
+        with model_context(self.model, self.version):
+            (self._log.info if changed else self._log.debug)(
+                "autoscaler decision",
+                now=t,
+                changed=changed,
+                desired_hot=d.desired.hot,
+                desired_warm=d.desired.warm,
+                desired_standby=d.desired.standby,
+                forecast_units_per_s=round(d.forecast_units_per_s, 4),
+                lead_s=d.lead_s,
+                arrived_units_per_s=round(obs.arrived_units_per_s, 4),
+                queued_units=round(obs.queued_units, 4),
+                inflight_units=round(obs.inflight_units, 4),
+                ready_hot=obs.ready.hot,
+                ready_warm=obs.ready.warm,
+                ready_standby=obs.ready.standby,
+                promoting=obs.promoting,
+                reasons=list(d.reasons),
+            )
+
+
+def ember_autoscaler(
+    config: EmberConfig, *, clock: Callable[[], float], **kwargs: Any
+) -> Autoscaler[EmberState, EmberConfig]:
+    """The predictive policy in its wrapper, from a fresh state."""
+    return Autoscaler(decide, config, EmberState(), clock=clock, **kwargs)

@@ -1,0 +1,219 @@
+"""``ember simulate``: replay a trace against an autoscaling policy and print the table.
+
+The lead wires it in with ``app.command("simulate")(simulate_command)``. The policy
+factory and the table live here too, so ``bench/autoscale.py`` prints the same thing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import numpy as np
+import typer
+
+from ember.costmodel import CostModel
+from ember.pools import policies as pol
+from ember.pools.autoscaler import Autoscaler, EmberConfig, EmberState, PromotionTimes, decide
+from ember.pools.simulator import SimConfig, SimResult, TierCost, simulate, unit_costs
+from ember.pools.traces import (
+    Trace,
+    default_traces_dir,
+    read_azure,
+    read_servegen_model,
+    servegen_trace,
+    size_pool,
+    synthetic,
+)
+
+POLICY_NAMES = ("ember", "knative", "ray", "static-peak", "reactive-min1")
+
+#: A language model on one accelerator: units are seconds at batch 1 (see costmodel);
+#: prefill 5,000 tokens/s, decode 50 tokens/s, 50 ms fixed, 8x throughput at best batch.
+BENCH_COST_MODEL = CostModel(alpha=0.0002, beta=0.02, gamma=0.05, capacity_units_per_s=8.0)
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """The pool policy fields a deployment would carry, for every policy alike."""
+
+    min_hot: int = 1
+    max_replicas: int = 100
+    target_utilization: float = 0.7
+    ember: dict[str, Any] = field(default_factory=dict)
+    """Extra ``EmberConfig`` knobs."""
+
+
+def peak_hot(trace: Trace, cm: CostModel, utilization: float, window_s: float = 60.0) -> int:
+    """Hot replicas for the trace's busiest ``window_s`` at ``utilization`` (static peak)."""
+    if len(trace) == 0:
+        return 1
+    work = unit_costs(cm, trace)
+    per_window = np.bincount((trace.arrivals_s // window_s).astype(np.int64), weights=work)
+    peak = float(per_window.max()) / window_s
+    return max(1, math.ceil(peak / (cm.capacity_units_per_s * utilization) - 1e-9))
+
+
+def make_autoscaler(
+    name: str, trace: Trace, dep: Deployment, cm: CostModel, *, log_decisions: bool = False
+) -> Autoscaler[Any, Any]:
+    """A fresh autoscaler for ``name`` (``knative@0.5`` sets KPA's target utilization)."""
+
+    def clock() -> float:
+        return 0.0  # the simulator passes ``now`` on every step
+
+    kw: dict[str, Any] = {"clock": clock, "log_decisions": log_decisions, "model": trace.name}
+    base, _, arg = name.partition("@")
+    if base == "ember":
+        cfg = EmberConfig(
+            min_hot=dep.min_hot,
+            scale_to_zero=dep.min_hot == 0,
+            max_replicas=dep.max_replicas,
+            target_utilization=dep.target_utilization,
+            **dep.ember,
+        )
+        return Autoscaler(decide, cfg, EmberState(), **kw)
+    if base == "knative":
+        util = float(arg) if arg else 0.7
+        kcfg = pol.KnativeConfig(target_utilization=util, max_scale=dep.max_replicas)
+        return Autoscaler(pol.knative, kcfg, pol.KnativeState(), **kw)
+    if base == "ray":
+        rcfg = pol.RayConfig(max_replicas=dep.max_replicas)
+        return Autoscaler(pol.ray, rcfg, pol.RayState(), **kw)
+    if base == "static-peak":
+        scfg = pol.StaticConfig(hot=peak_hot(trace, cm, dep.target_utilization))
+        return Autoscaler(pol.static, scfg, None, **kw)
+    if base == "reactive-min1":
+        qcfg = pol.ReactiveConfig(
+            target_utilization=dep.target_utilization, max_replicas=dep.max_replicas
+        )
+        return Autoscaler(pol.reactive, qcfg, pol.ReactiveState(), **kw)
+    raise typer.BadParameter(f"unknown policy {name!r}; one of {', '.join(POLICY_NAMES)}")
+
+
+def run_policy(name: str, trace: Trace, dep: Deployment, sim: SimConfig) -> SimResult:
+    scaler = make_autoscaler(name, trace, dep, sim.cost_model)
+    return simulate(trace, scaler, sim, policy_name=name)
+
+
+def combine(results: Sequence[SimResult], name: str) -> SimResult:
+    """Many models' results for one policy, as one catalogue."""
+    first = results[0]
+    cat = np.concatenate
+    return SimResult(
+        policy=name,
+        arrivals_s=cat([r.arrivals_s for r in results]),
+        wait_s=cat([r.wait_s for r in results]),
+        shed=cat([r.shed for r in results]),
+        cold_wait=cat([r.cold_wait for r in results]),
+        replica_s={k: sum(r.replica_s[k] for r in results) for k in first.replica_s},
+        weighted_cost=sum(r.weighted_cost for r in results),
+        decisions=sum(r.decisions for r in results),
+        slo_wait_s=first.slo_wait_s,
+        warmup_s=first.warmup_s,
+    )
+
+
+def table(title: str, rows: dict[str, dict[str, float]], reference: str | None) -> str:
+    """One row per policy; cost as a fraction of ``reference`` (static peak) when given."""
+    ref = rows[reference]["cost"] if reference and reference in rows else None
+    head = (f"{'policy':15} {'cost':>12} {'vs static':>9} {'hot s':>11} {'warm s':>11} "
+            f"{'standby s':>11} {'cold-wait%':>10} {'>SLO%':>7} {'shed%':>6} "
+            f"{'p50 s':>7} {'p99 s':>7} {'p99.9 s':>8}")  # fmt: skip
+    lines = [title, head, "-" * len(head)]
+    for name, s in rows.items():
+        frac = f"{s['cost'] / ref:9.3f}" if ref else f"{'-':>9}"
+        lines.append(
+            f"{name:15} {s['cost']:12.0f} {frac} {s['hot_s']:11.0f} {s['warm_s']:11.0f} "
+            f"{s['standby_s']:11.0f} {s['cold_wait_pct']:10.3f} {s['over_slo_pct']:7.3f} "
+            f"{s['shed_pct']:6.3f} {s['p50_s']:7.3f} {s['p99_s']:7.3f} {s['p999_s']:8.3f}"
+        )
+    return "\n".join(lines)
+
+
+def load_trace(spec: str, traces_dir: Path, seed: int, mean_rps: float | None) -> Trace:
+    """``azure:code``, ``azure:conv``, ``servegen:language/m-large``, ``synthetic``, a CSV
+    file (Azure format) or a ServeGen model directory."""
+    kind, _, arg = spec.partition(":")
+    if kind == "azure":
+        return read_azure(traces_dir / "azure-llm-2023" / f"AzureLLMInferenceTrace_{arg}.csv")
+    if kind == "servegen":
+        clients = read_servegen_model(traces_dir / "servegen" / arg)
+        return servegen_trace(clients, seed, mean_rps=mean_rps, sizes=size_pool(traces_dir),
+                              name=arg)  # fmt: skip
+    if kind == "synthetic":
+        return synthetic(seed, 6 * 3600.0, mean_rps or 10.0, period_s=3600.0, bursts=4)
+    path = Path(spec)
+    if path.is_dir():
+        clients = read_servegen_model(path)
+        return servegen_trace(clients, seed, mean_rps=mean_rps, sizes=size_pool(traces_dir),
+                              name=path.name)  # fmt: skip
+    if path.is_file():
+        return read_azure(path)
+    raise typer.BadParameter(f"no trace {spec!r}")
+
+
+def simulate_command(
+    trace: Annotated[
+        str,
+        typer.Option(
+            help="azure:code | azure:conv | servegen:<cat>/<model> "
+            "| synthetic | a CSV file | a ServeGen directory"
+        ),
+    ],
+    policy: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="ember, knative[@util], ray, static-peak, reactive-min1; repeat, or 'all'"
+        ),
+    ] = None,
+    warmup_s: Annotated[float, typer.Option(help="Requests before this are not counted.")] = 120.0,
+    slo_s: Annotated[float, typer.Option(help="Wait SLO in seconds.")] = 2.0,
+    seed: Annotated[int, typer.Option()] = 0,
+    mean_rps: Annotated[float | None, typer.Option(help="Rescale ServeGen to this mean.")] = None,
+    traces_dir: Annotated[Path | None, typer.Option(help="Default: ../shared/traces.")] = None,
+    min_hot: Annotated[int, typer.Option()] = 1,
+    max_replicas: Annotated[int, typer.Option()] = 100,
+    target_utilization: Annotated[float, typer.Option()] = 0.7,
+    warm_s: Annotated[float, typer.Option(help="Warm -> hot seconds.")] = 2.0,
+    standby_s: Annotated[float, typer.Option(help="Standby -> hot seconds.")] = 5.0,
+    cold_s: Annotated[float, typer.Option(help="Cold -> hot seconds.")] = 30.0,
+    warm_cost: Annotated[float, typer.Option(help="Warm cost rate (hot = 1).")] = 0.1,
+    standby_cost: Annotated[float, typer.Option(help="Standby cost rate (hot = 1).")] = 0.03,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object too.")] = False,
+) -> None:
+    """Replay a trace against autoscaling policies; one table, same seed, one run."""
+    if policy is None:
+        policy = ["ember"]
+    names = list(POLICY_NAMES) if policy == ["all"] else policy
+    tr = load_trace(trace, traces_dir or default_traces_dir(), seed, mean_rps)
+    sim = SimConfig(
+        cost_model=BENCH_COST_MODEL,
+        promotion=PromotionTimes(warm_s, standby_s, cold_s),
+        tier_cost=TierCost(1.0, warm_cost, standby_cost),
+        slo_wait_s=slo_s,
+        warmup_s=warmup_s,
+    )
+    dep = Deployment(min_hot, max_replicas, target_utilization)
+    rows = {n: run_policy(n, tr, dep, sim).summary() for n in names}
+    if "static-peak" not in rows:
+        rows["static-peak"] = run_policy("static-peak", tr, dep, sim).summary()
+    typer.echo(
+        table(
+            f"{tr.name}: {len(tr)} requests, {tr.duration_s:.0f} s, SLO wait <= {slo_s:g} s",
+            rows,
+            "static-peak",
+        )
+    )
+    if as_json:
+        typer.echo(json.dumps(rows))
+
+
+def make_app() -> typer.Typer:
+    app = typer.Typer()
+    app.command("simulate")(simulate_command)
+    return app

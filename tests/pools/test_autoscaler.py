@@ -1,0 +1,140 @@
+"""The predictive policy on a fake clock: lead, noise, stabilization, floors, panic."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import structlog
+
+from ember.pools.autoscaler import (
+    Autoscaler,
+    Decision,
+    EmberConfig,
+    EmberState,
+    TierCounts,
+    decide,
+    ember_autoscaler,
+)
+from ember.registry.schemas import PoolPolicy
+from tests.pools.conftest import CAP, obs
+
+PER_HOT = CAP * 0.7  # units/s one hot replica carries at target utilization
+
+
+def run(cfg: EmberConfig, demands: list[float], t0: float = 0.0, dt: float = 1.0,
+        state: EmberState | None = None) -> list[Decision[EmberState]]:  # fmt: skip
+    st = state or EmberState()
+    out = []
+    for i, d in enumerate(demands):
+        dec = decide(obs(d, dt=dt), st, cfg, t0 + (i + 1) * dt)
+        st = dec.state
+        out.append(dec)
+    return out
+
+
+def test_config_takes_the_deployment_policy() -> None:
+    cfg = EmberConfig.from_policy(PoolPolicy(min_hot=2, max_replicas=9, target_utilization=0.6))
+    assert (cfg.min_hot, cfg.max_replicas, cfg.target_utilization) == (2, 9, 0.6)
+    assert EmberConfig.from_policy(PoolPolicy(min_hot=0, scale_to_zero=True)).warm_floor == 1
+
+
+def test_scales_up_lead_seconds_before_a_daily_ramp() -> None:
+    # Two days of 8 u/s that steps to 40 u/s at 08:00; on day 3 the profile says so.
+    cfg = EmberConfig(max_replicas=50, profile_periods_s=(86_400.0,))
+    dt, step = 10.0, 8 * 3600.0
+    ramp = 2 * 86_400 + step  # day 3, 08:00
+    times = np.arange(dt, ramp - 40, dt)  # up to 08:00 minus 50 s
+    demand = [40.0 if (t - dt) % 86_400 >= step else 8.0 for t in times]
+    st = run(cfg, demand, dt=dt)[-1].state
+    lead = 30.0  # no warm or standby replica in the observation: lead is a cold start
+    before = decide(obs(8.0, dt=dt), st, cfg, ramp - 40)  # + lead = 08:00 minus 10 s
+    at = decide(obs(8.0, dt=dt), before.state, cfg, ramp - lead)  # + lead = 08:00
+    assert before.lead_s == at.lead_s == lead
+    assert before.desired.hot == math.ceil(8.0 / PER_HOT)  # 8 / 5.6 -> 2
+    assert at.desired.hot == math.ceil(40.0 / PER_HOT)  # 8 * (40 / 8) / 5.6 = 7.1 -> 8
+    assert "at +30s (lead from cold)" in at.reasons[0]
+
+
+def test_lead_is_the_promotion_time_of_the_source_tier() -> None:
+    cfg = EmberConfig()
+    assert decide(obs(1.0, warm=1), EmberState(), cfg, 1.0).lead_s == 2.0
+    assert decide(obs(1.0, standby=1), EmberState(), cfg, 1.0).lead_s == 5.0
+    assert decide(obs(1.0), EmberState(), cfg, 1.0).lead_s == 30.0
+
+
+def test_no_flapping_on_noise() -> None:
+    rng = np.random.default_rng(7)
+    mean = 4.5 * PER_HOT  # 25.2 u/s -> 4.5 replicas: the ceiling is 5 either side of noise
+    demand = (mean * rng.uniform(0.7, 1.3, 3600)).tolist()
+    hots = [d.desired.hot for d in run(EmberConfig(max_replicas=50), demand)]
+    assert set(hots[600:]) == {5}
+
+
+def test_scale_down_waits_for_stabilization_then_one_tier_at_a_time() -> None:
+    cfg = EmberConfig(max_replicas=50)
+    high, low = 9.5 * PER_HOT, 10.0  # 53.2 u/s -> 10 hot; 10 u/s -> 1.8 -> 2 hot
+    t0 = 1800.0
+    warm = run(cfg, [high] * int(t0))
+    assert warm[-1].desired.hot == 10
+    after = run(cfg, [low] * 8000, t0=t0, state=warm[-1].state)
+    at = {i + 1: d.desired for i, d in enumerate(after)}  # seconds after the drop
+    assert all(at[s].hot == 10 for s in range(1, int(cfg.stabilization_s)))
+    # The level falls below 2 replicas' worth after 60 ln(43.2 / 1.2) = 215 s, then the
+    # 120 s window must pass: hot is 2 from about 339 s on.
+    assert at[400] == TierCounts(hot=2, warm=10 - 2, standby=0)  # demoted hot -> warm
+    assert at[700].hot == 2 and at[700].standby > 0  # warm_keep_s: warm -> standby
+    assert at[700].total == 10  # nothing cold yet
+    assert at[7400].total < 10  # after standby_keep_s: standby -> cold
+
+
+def test_floor_and_cap() -> None:
+    assert decide(obs(0.0), EmberState(), EmberConfig(min_hot=2), 100.0).desired.hot == 2
+    capped = decide(obs(1000.0, queued=500), EmberState(), EmberConfig(max_replicas=4), 1.0)
+    assert capped.desired == TierCounts(hot=4, warm=0, standby=0)
+
+
+def test_scale_to_warm_not_to_zero() -> None:
+    cfg = EmberConfig(min_hot=0, scale_to_zero=True)
+    busy = run(cfg, [3.0] * 60)
+    assert busy[-1].desired.hot == 1
+    idle = run(cfg, [0.0] * 40, t0=60.0, state=busy[-1].state)
+    assert idle[int(cfg.idle_hold_s) - 2].desired.hot == 1
+    assert idle[-1].desired == TierCounts(hot=0, warm=1, standby=0)
+    assert any("idle" in r for r in idle[-1].reasons)
+
+
+def test_panic_when_the_queue_outgrows_capacity() -> None:
+    cfg = EmberConfig(max_replicas=100)
+    steady = run(cfg, [2 * PER_HOT] * 300)  # 2 hot
+    st = steady[-1].state
+    # 40 u/s arrive at 2 replicas (16 u/s): the queue grows past 1 s of hot capacity.
+    first = decide(obs(40.0, hot=2, queued=10.0), st, cfg, 301.0)
+    second = decide(obs(40.0, hot=2, queued=40.0), first.state, cfg, 302.0)
+    assert any(r.startswith("panic") for r in second.reasons)
+    # Panic sizes for demand plus draining the queue at full utilization:
+    assert second.desired.hot >= math.ceil((40.0 + 40.0 / cfg.drain_s) / CAP)  # 60 / 8 -> 8
+    # and never scales down while it lasts, even when demand falls back.
+    calm = decide(obs(0.0, hot=8, queued=0.0), second.state, cfg, 303.0)
+    assert calm.desired.hot >= 8
+
+
+def test_wrapper_keeps_state_logs_with_model_and_version() -> None:
+    now = [0.0]
+    scaler = ember_autoscaler(EmberConfig(), clock=lambda: now[0], model="m", version="3")
+    merge = [structlog.contextvars.merge_contextvars]
+    with structlog.testing.capture_logs(processors=merge) as logs:
+        for i in range(3):
+            now[0] = float(i + 1)
+            scaler.step(obs(2.0))
+    assert scaler.state.last_t == 3.0
+    assert logs[0]["model"] == "m" and logs[0]["version"] == "3"
+    assert logs[0]["reasons"] and "desired_hot" in logs[0] and "arrived_units_per_s" in logs[0]
+
+
+def test_autoscaler_is_generic_over_policies() -> None:
+    def fixed(o: object, s: int, c: int, now: float) -> Decision[int]:
+        return Decision(TierCounts(hot=c), s + 1, ("fixed",))
+
+    scaler: Autoscaler[int, int] = Autoscaler(fixed, 3, 0, clock=lambda: 0.0, log_decisions=False)
+    assert scaler.step(obs(1.0)).desired.hot == 3 and scaler.state == 1
