@@ -161,7 +161,7 @@ def simulate_command(
     trace: Annotated[
         str,
         typer.Option(
-            help="azure:code | azure:conv | servegen:<cat>/<model> "
+            help="azure:code | azure:conv | servegen:CATEGORY/MODEL "
             "| synthetic | a CSV file | a ServeGen directory"
         ),
     ],

@@ -20,11 +20,20 @@ from typing import Any
 
 import httpx
 from sqlalchemy import Engine
-from sqlmodel import select
+from sqlmodel import col, select
 
 from ember.costmodel import CostModel, hardware_key
 from ember.errors import NotReady
 from ember.logs import get_logger, model_context
+from ember.pools.autoscaler import (
+    Autoscaler,
+    EmberConfig,
+    EmberState,
+    Observation,
+    PromotionTimes,
+    TierCounts,
+    ember_autoscaler,
+)
 from ember.pools.backends.base import LaunchOptions, ReplicaBackend, ReplicaHandle
 from ember.pools.metrics import PoolMetrics
 from ember.pools.router import Route
@@ -92,6 +101,18 @@ class DeploymentView:
     def cost(self, version: str) -> CostModel:
         return CostModel.from_dict(self.specs.get(version, {}).get("cost"))
 
+    @property
+    def production(self) -> str | None:
+        """The version with the most traffic (ties: the highest name)."""
+        live = [(w, v) for v, w in self.traffic.items() if w > 0 and v in self.specs]
+        return max(live)[1] if live else None
+
+    def capacity_units_per_s(self, version: str) -> float:
+        """One hot replica's throughput: calibrated, else assume a full batch per second."""
+        if self.specs.get(version, {}).get("cost"):
+            return self.cost(version).capacity_units_per_s
+        return float(self.policy.max_batch_size) * self.cost(version).cost(1)
+
 
 class PoolsController:
     def __init__(
@@ -119,6 +140,14 @@ class PoolsController:
         self._http = httpx.AsyncClient(timeout=self.probe_settings.timeout_s)
         self._task: asyncio.Task[None] | None = None
         self._assigning: set[asyncio.Task[None]] = set()
+        # The predictive autoscaler (the same code the simulator replays) per production
+        # version, fed with what the gateway saw since the last step.
+        self.scalers: dict[tuple[tuple[int, str], str], Autoscaler[EmberState, EmberConfig]] = {}
+        self.targets: dict[tuple[tuple[int, str], str], TierCounts] = {}
+        self.demand: dict[tuple[tuple[int, str], str], list[float]] = {}
+        self.startup_s: list[float] = []
+        self.autoscale_every_s = 1.0
+        self._last_step = time.monotonic()
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -147,6 +176,7 @@ class PoolsController:
         self._reap_exited()
         await self._check_starting()
         await self._probe_idle()
+        self._autoscale()
         self._scale()
         await self._retire()
         self._keep_standby()
@@ -164,9 +194,10 @@ class PoolsController:
                 wanted = {v for v, w in d.traffic.items() if w > 0} | set(d.fallback)
                 rows = session.exec(
                     select(ModelVersion).where(
-                        ModelVersion.model_id == model.id, ModelVersion.version.in_(wanted)
+                        ModelVersion.model_id == model.id,
+                        col(ModelVersion.version).in_(wanted),
                     )
-                )  # type: ignore[attr-defined]
+                )
                 specs = {
                     r.version: catalog.version_spec(model, r, self.hardware)
                     for r in rows
@@ -241,6 +272,7 @@ class PoolsController:
                 self.metrics.cold_start.labels(
                     model=replica.model, version=replica.version
                 ).observe(took)
+                self.startup_s = [*self.startup_s[-49:], took]
                 self.failures.pop((replica.key, replica.version), None)
             self._event("ready", replica, startup_s=round(replica.ready_at - replica.started_at, 3))
 
@@ -279,28 +311,124 @@ class PoolsController:
     # --- scaling ------------------------------------------------------------------------
 
     def desired(self, view: DeploymentView) -> dict[str, int]:
-        """Hot replicas per version: the floor for production, a share for a canary."""
-        total = max(view.policy.min_hot, 1)
+        """Hot replicas per version: the autoscaler's for production (never below the
+        floor), a proportional share for a canary."""
+        floor = max(view.policy.min_hot, 1)
+        key = (view.tenant_id, view.name)
+        production = view.production
         out: dict[str, int] = {}
         for version, weight in view.traffic.items():
-            if weight > 0 and version in view.specs:
-                out[version] = max(
-                    1, min(view.policy.max_replicas, math.ceil(total * weight / 100))
-                )
+            if weight <= 0 or version not in view.specs:
+                continue
+            target = self.targets.get((key, version))
+            if version == production and target is not None:
+                out[version] = max(floor, target.hot)
+            else:
+                out[version] = max(1, math.ceil(floor * weight / 100))
+            out[version] = min(view.policy.max_replicas, out[version])
         return out
+
+    # --- autoscaling --------------------------------------------------------------------
+
+    def record_demand(
+        self, key: tuple[int, str], version: str, units: float, admitted: bool
+    ) -> None:
+        """The gateway reports every arrival (admitted or shed) in model units."""
+        arrived_admitted = self.demand.setdefault((key, version), [0.0, 0.0])
+        arrived_admitted[0] += units
+        if admitted:
+            arrived_admitted[1] += units
+
+    def _promotion_times(self) -> PromotionTimes:
+        if not self.startup_s:
+            return PromotionTimes()
+        cold = sorted(self.startup_s)[int(0.95 * (len(self.startup_s) - 1))]
+        return PromotionTimes(warm_s=1.0, standby_s=min(cold, 5.0), cold_s=cold)
+
+    def _autoscale(self) -> None:
+        now = time.monotonic()
+        dt = now - self._last_step
+        if dt < self.autoscale_every_s:
+            return
+        self._last_step = now
+        for key, view in self.deployments.items():
+            version = view.production
+            if version is not None:
+                self.targets[(key, version)] = self._step(key, view, version, dt)
+
+    def _step(
+        self, key: tuple[int, str], view: DeploymentView, version: str, dt: float
+    ) -> TierCounts:
+        scaler = self.scalers.get((key, version))
+        if scaler is None:
+            config = EmberConfig.from_policy(view.policy, tick_s=self.autoscale_every_s)
+            scaler = ember_autoscaler(
+                config, clock=time.monotonic, model=view.model, version=version
+            )
+            self.scalers[(key, version)] = scaler
+        mine = [r for r in self.replicas.values() if r.key == key and r.version == version]
+        hot = [r for r in mine if r.state == "ready" and r.tier == "hot"]
+        arrived, admitted = self.demand.pop((key, version), [0.0, 0.0])
+        inflight = sum(r.route.inflight_units for r in hot if r.route)
+        unit = view.cost(version).cost(1)
+        obs = Observation(
+            interval_s=dt,
+            arrived_units_per_s=arrived / dt,
+            admitted_units_per_s=admitted / dt,
+            inflight_units=inflight,
+            queued_units=max(0.0, inflight - len(hot) * view.policy.max_batch_size * unit),
+            capacity_units_per_s=view.capacity_units_per_s(version),
+            ready=TierCounts(
+                hot=len(hot),
+                warm=sum(1 for r in mine if r.state == "ready" and r.tier == "warm"),
+                standby=sum(1 for r in self.replicas.values() if r.state == "standby"),
+            ),
+            promoting=sum(1 for r in mine if r.state == "starting"),
+            promotion=self._promotion_times(),
+        )
+        return scaler.step(obs).desired
 
     def _scale(self) -> None:
         for key, view in self.deployments.items():
             for version, want in self.desired(view).items():
+                mine = [r for r in self.replicas.values() if r.key == key and r.version == version]
                 have = [
                     r
-                    for r in self.replicas.values()
-                    if r.key == key and r.version == version and r.state in ("starting", "ready")
+                    for r in mine
+                    if r.state == "starting" or (r.state == "ready" and r.tier == "hot")
                 ]
+                warm = [r for r in mine if r.state == "ready" and r.tier == "warm"]
                 if self.failures.get((key, version), 0) >= self.max_restarts:
                     continue  # crash-looping: leave it failed (visible in /replicas) until changed
-                for _ in range(want - len(have)):
-                    self._start(view, version)
+                for i in range(want - len(have)):
+                    if i < len(warm):  # the fastest tier first: warm -> hot is one copy
+                        self._change_tier(warm[i], "hot")
+                    else:
+                        self._start(view, version)
+
+    def _change_tier(self, replica: ManagedReplica, tier: str) -> None:
+        replica.state = "promoting" if tier == "hot" else "demoting"
+        self._spawn(self._set_tier(replica, tier))
+
+    async def _set_tier(self, replica: ManagedReplica, tier: str) -> None:
+        started = time.monotonic()
+        try:
+            response = await self._http.post(
+                f"{replica.handle.url}/tier", json={"tier": tier}, timeout=600
+            )
+            ok = response.status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if not ok:
+            self._fail(replica, f"tier change to {tier} failed")
+            return
+        replica.state, replica.tier, replica.last_ok = "ready", tier, time.monotonic()
+        self._event("tier", replica, tier=tier, seconds=round(time.monotonic() - started, 3))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._assigning.add(task)
+        task.add_done_callback(self._assigning.discard)
 
     def _start(self, view: DeploymentView, version: str) -> None:
         spec = view.specs[version]
@@ -340,22 +468,56 @@ class PoolsController:
         for replica in list(self.replicas.values()):
             if not replica.key[1] or replica.state == "draining":
                 continue
+            if replica.state not in ("ready", "starting"):
+                continue
             view = self.deployments.get(replica.key)
-            if view is not None and replica.version in self.desired(view):
+            wanted = self.desired(view) if view is not None else {}
+            if replica.version in wanted and not self._surplus(replica, wanted[replica.version]):
                 continue
             if view is not None and not self._all_ready(view):
                 continue
+            target = self.targets.get((replica.key, replica.version))
+            if replica.version in wanted and replica.tier == "hot" and target is not None:
+                warm = sum(
+                    1
+                    for r in self.replicas.values()
+                    if r.key == replica.key and r.version == replica.version and r.tier == "warm"
+                )
+                if warm < target.warm:  # scale to warm, not to nothing
+                    self._change_tier(replica, "warm")
+                    continue
             replica.state = "draining"
             self._event("draining", replica)
             task = asyncio.get_running_loop().create_task(self._drain(replica))
             self._assigning.add(task)
             task.add_done_callback(self._assigning.discard)
 
+    def _surplus(self, replica: ManagedReplica, wanted: int) -> bool:
+        """Scale down one replica at a time: the least loaded (then newest) above ``wanted``."""
+        if replica.state != "ready":
+            return False
+        ready = [
+            r
+            for r in self.replicas.values()
+            if r.key == replica.key
+            and r.version == replica.version
+            and r.state == "ready"
+            and r.tier == replica.tier
+        ]
+        if replica.tier == "warm":
+            target = self.targets.get((replica.key, replica.version))
+            wanted = target.warm if target is not None else 0
+        if len(ready) <= wanted:
+            return False
+        return replica is min(
+            ready, key=lambda r: (r.route.inflight_units if r.route else 0.0, -r.started_at)
+        )
+
     def _all_ready(self, view: DeploymentView) -> bool:
         key = (view.tenant_id, view.name)
         return all(
             any(
-                r.key == key and r.version == v and r.state == "ready"
+                r.key == key and r.version == v and r.state == "ready" and r.tier == "hot"
                 for r in self.replicas.values()
             )
             for v in self.desired(view)
@@ -375,7 +537,11 @@ class PoolsController:
         return [
             r.route
             for r in self.replicas.values()
-            if r.key == key and r.version == version and r.state == "ready" and r.route
+            if r.key == key
+            and r.version == version
+            and r.state == "ready"
+            and r.tier == "hot"
+            and r.route
         ]
 
     def routable_traffic(self, view: DeploymentView) -> dict[str, int]:
@@ -385,7 +551,11 @@ class PoolsController:
         ready = {v: w for v, w in view.traffic.items() if w > 0 and self.routes(key, v)}
         if ready:
             return ready
-        running = {r.version for r in self.replicas.values() if r.key == key and r.state == "ready"}
+        running = {
+            r.version
+            for r in self.replicas.values()
+            if r.key == key and r.state == "ready" and r.tier == "hot"
+        }
         if running:
             return {v: 1 for v in sorted(running)}
         raise NotReady(f"deployment {view.name!r} has no ready replica yet", deployment=view.name)

@@ -104,7 +104,9 @@ class Gateway:
             )
         except BackPressure:
             self.controller.metrics.requests.labels(view.name, chosen, "shed").inc()
+            self.controller.record_demand(key, chosen, units, admitted=False)
             raise
+        self.controller.record_demand(key, chosen, units, admitted=True)
         self.budget.deposit()
         attempts = 0
         tried: set[str] = set()

@@ -138,3 +138,30 @@ def test_rollout_to_a_corrupt_artifact_keeps_the_old_version_serving(live: Live)
         assert response.status_code == 200 and response.headers["x-ember-version"] == "1"
     failure = next(e for e in live.events("mlp") if e["event"] == "failed" and e["version"] == "2")
     assert "sha256" in failure["reason"].lower()
+
+
+def test_the_autoscaler_adds_replicas_under_load(live: Live) -> None:
+    """Uncalibrated, a replica is assumed to serve max_batch_size units/s: 1/s here, so a
+    steady ~5 requests/s wants 5 / (1 x 0.7) = 8 hot replicas, capped at max_replicas = 3."""
+    live.register("slow", "1", slow_s=0.1)
+    deploy(live, "slow", min_hot=1, max_replicas=3, max_batch_size=1, max_queue_delay_ms=0)
+    stop = threading.Event()
+    codes: Counter[int] = Counter()
+
+    def load() -> None:
+        while not stop.is_set():
+            codes[live.predict("slow", timeout_ms=20_000).status_code] += 1
+            time.sleep(0.1)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        workers = [pool.submit(load) for _ in range(2)]
+        try:
+            live.wait(lambda: len(live.ready("slow")) == 3, "3 hot replicas", 240)
+        finally:
+            stop.set()
+            for w in workers:
+                w.result()
+    assert set(codes) <= {200, 429}, codes
+    started = [e for e in live.events("slow") if e["event"] == "starting"]
+    assert len(started) >= 3
+    assert len(live.replicas("slow")) <= 3  # never above max_replicas
