@@ -58,6 +58,7 @@ bench-loader: venv
 	$(PY) bench/loader.py
 
 bench-engine: venv
+	@command -v wrk >/dev/null || { apt-get update -qq && $(APT_INSTALL) wrk; }
 	$(PY) bench/engine.py
 
 clean:
