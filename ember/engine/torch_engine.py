@@ -14,7 +14,6 @@ output for it, as nested lists.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,9 +21,9 @@ import numpy as np
 import torch
 
 from ember.config import Settings
-from ember.engine.base import Engine, Sized, import_object, register_engine
+from ember.engine.base import Sized, import_object, register_engine
 from ember.engine.spec import Tier, VersionSpec
-from ember.engine.weights import build_and_load
+from ember.engine.weights import ModuleEngine, build_and_load
 from ember.errors import InvalidInput
 from ember.logs import get_logger
 
@@ -34,7 +33,7 @@ DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64,
 
 
 @register_engine("torch")
-class TorchEngine(Engine):
+class TorchEngine(ModuleEngine):
     def __init__(self, spec: VersionSpec, settings: Settings, device: str = "cpu") -> None:
         super().__init__(spec, settings, device)
         config = spec.engine_config
@@ -48,8 +47,6 @@ class TorchEngine(Engine):
         if dtype not in DTYPES:
             raise InvalidInput(f"input_schema dtype {dtype!r} is not one of {sorted(DTYPES)}")
         self.dtype = DTYPES[dtype]
-        self.module: torch.nn.Module | None = None
-        self._pin: Any = None
 
     def load(self) -> None:
         def build() -> torch.nn.Module:
@@ -60,8 +57,7 @@ class TorchEngine(Engine):
             return module
 
         module, loaded = build_and_load(build, self.spec, self.settings, self.device)
-        self.module, self._pin, self.load_report = module, loaded.pin, loaded.report
-        self.tier = Tier.hot
+        self.adopt(module, loaded)
         log.info(
             "weights loaded",
             seconds=round(loaded.report.seconds, 3),
@@ -89,23 +85,3 @@ class TorchEngine(Engine):
 
     def probe(self) -> Any:
         return np.zeros(self.shape or (1,), dtype=self.dtype).tolist()
-
-    def set_tier(self, tier: Tier) -> None:
-        if (
-            self.module is not None
-            and self.device.startswith("cuda")
-            and Tier.standby not in (tier, self.tier)
-        ):
-            # warm: weights in pinned host memory; hot: back on the device.
-            target = "cpu" if tier is Tier.warm else self.device
-            self.module.to(target)
-            self.tier = tier
-            return
-        super().set_tier(tier)
-
-    def unload(self) -> None:
-        self.module = None
-        if self._pin is not None:
-            self._pin.release()
-            self._pin = None
-        gc.collect()

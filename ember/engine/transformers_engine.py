@@ -11,61 +11,26 @@ store into a directory keyed by model and version, then read offline.
 
 from __future__ import annotations
 
-import gc
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from ember.config import Settings
-from ember.engine.base import Engine, Sized, register_engine
+from ember.engine.base import Sized, register_engine
+from ember.engine.sidecars import fetch_sidecars
 from ember.engine.spec import Tier, VersionSpec
-from ember.engine.weights import build_and_load
-from ember.errors import InvalidInput, ObjectNotFound
-from ember.loader.stores import open_store
+from ember.engine.weights import ModuleEngine, build_and_load
+from ember.errors import InvalidInput
 from ember.logs import get_logger
 
 log = get_logger(__name__)
-SIDECARS = (
-    "config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.txt",
-    "merges.txt",
-    "vocab.json",
-    "generation_config.json",
-)
 TASKS = ("embedding", "classification")
 
 
-def fetch_sidecars(spec: VersionSpec, settings: Settings) -> Path:
-    """Copy the files beside the weights into ``<cache>/sidecars/<model>/<version>/``."""
-    prefix = spec.artifact_uri.rsplit("/", 1)[0]
-    target = settings.weight_cache_dir / "sidecars" / spec.model / spec.version
-    target.mkdir(parents=True, exist_ok=True)
-    store = open_store(spec.artifact_uri, settings)
-    for name in SIDECARS:
-        uri = f"{prefix}/{name}"
-        try:
-            info = store.stat(uri)
-        except ObjectNotFound:
-            continue
-        data = store.read_range(uri, 0, info.size, etag=info.etag)
-        tmp = target / f".{name}.part"
-        tmp.write_bytes(data)
-        os.replace(tmp, target / name)
-    if not (target / "config.json").exists():
-        raise InvalidInput(
-            f"no config.json beside {spec.artifact_uri}: the transformers engine needs it"
-        )
-    return target
-
-
 @register_engine("transformers")
-class TransformersEngine(Engine):
+class TransformersEngine(ModuleEngine):
     def __init__(self, spec: VersionSpec, settings: Settings, device: str = "cpu") -> None:
         super().__init__(spec, settings, device)
         self.task = spec.engine_config.get("task", "embedding")
@@ -77,8 +42,6 @@ class TransformersEngine(Engine):
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.files))
-        self.module: Any = None
-        self._pin: Any = None
 
     def load(self) -> None:
         from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
@@ -93,8 +56,7 @@ class TransformersEngine(Engine):
             self.device,
             prefix,
         )
-        self.module, self._pin, self.load_report = module, loaded.pin, loaded.report
-        self.tier = Tier.hot
+        self.adopt(module, loaded)
         log.info(
             "weights loaded",
             seconds=round(loaded.report.seconds, 3),
@@ -137,21 +99,3 @@ class TransformersEngine(Engine):
 
     def sample(self, input_size: int, output_size: int = 0) -> Any:
         return " ".join(["word"] * max(1, input_size - 2))  # [CLS] ... [SEP]
-
-    def set_tier(self, tier: Tier) -> None:
-        if (
-            self.module is not None
-            and self.device.startswith("cuda")
-            and Tier.standby not in (tier, self.tier)
-        ):
-            self.module.to("cpu" if tier is Tier.warm else self.device)
-            self.tier = tier
-            return
-        super().set_tier(tier)
-
-    def unload(self) -> None:
-        self.module = None
-        if self._pin is not None:
-            self._pin.release()
-            self._pin = None
-        gc.collect()

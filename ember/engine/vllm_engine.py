@@ -47,10 +47,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ember.config import Settings
 from ember.engine.base import Engine, Sized, register_engine
+from ember.engine.sidecars import fetch_sidecars
 from ember.engine.spec import Priority, Tier, VersionSpec
-from ember.errors import EngineError, InvalidInput, NotReady, ObjectNotFound
+from ember.errors import EngineError, InvalidInput, NotReady
 from ember.loader.report import LoadReport, Stage
-from ember.loader.stores import open_store
 from ember.logs import get_logger, model_context
 
 if TYPE_CHECKING:
@@ -58,9 +58,7 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-SIDECARS = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
-            "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")  # fmt: skip
+REQUIRED_SIDECARS = ("config.json", "tokenizer_config.json")
 PRIORITY_HEADER = "x-ember-priority"
 PROBE_PROMPT = "ok"
 # Environment vLLM reads at import or process start; operators' own values win.
@@ -111,30 +109,6 @@ class _Prepared:
 
 
 # --- the artifact's files ------------------------------------------------------------
-
-
-def fetch_sidecars(spec: VersionSpec, settings: Settings) -> Path:
-    """Copy the files beside the weights into ``<cache>/sidecars/<model>/<version>/``."""
-    prefix = spec.artifact_uri.rsplit("/", 1)[0]
-    target = settings.weight_cache_dir / "sidecars" / spec.model / spec.version
-    target.mkdir(parents=True, exist_ok=True)
-    store = open_store(spec.artifact_uri, settings)
-    for name in SIDECARS:
-        uri = f"{prefix}/{name}"
-        try:
-            info = store.stat(uri)
-        except ObjectNotFound:
-            continue
-        data = store.read_range(uri, 0, info.size, etag=info.etag)
-        tmp = target / f".{name}.{os.getpid()}.part"
-        tmp.write_bytes(data)
-        os.replace(tmp, target / name)  # readers never see a half-written file
-    for required in ("config.json", "tokenizer_config.json"):
-        if not (target / required).exists():
-            raise InvalidInput(
-                f"no {required} beside {spec.artifact_uri}: the vllm engine needs it"
-            )
-    return target
 
 
 def vllm_argv(
@@ -273,7 +247,7 @@ class VllmEngine(Engine):
         with model_context(self.spec.model, self.spec.version):
             started = time.perf_counter()
             self._set_env()
-            self.files = fetch_sidecars(self.spec, self.settings)
+            self.files = fetch_sidecars(self.spec, self.settings, REQUIRED_SIDECARS)
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(str(self.files))

@@ -10,11 +10,13 @@ already-loaded tensors.
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ember.config import Settings
-from ember.engine.spec import VersionSpec
+from ember.engine.base import Engine
+from ember.engine.spec import Tier, VersionSpec
 from ember.errors import ArtifactError
 from ember.loader.load import LoadedWeights, WeightLoader
 
@@ -92,3 +94,30 @@ def _matching(
             unexpected=unexpected[:50],
         )
     return {k: v for k, v in tensors.items() if k in expected}
+
+
+class ModuleEngine(Engine):
+    """An engine whose weights live in one torch module: tiers move or drop the module."""
+
+    module: Any = None
+    _pin: Any = None
+
+    def adopt(self, module: Any, loaded: LoadedWeights) -> None:
+        self.module, self._pin, self.load_report = module, loaded.pin, loaded.report
+        self.tier = Tier.hot
+
+    def set_tier(self, tier: Tier) -> None:
+        cuda = self.module is not None and self.device.startswith("cuda")
+        if cuda and Tier.standby not in (tier, self.tier):
+            # warm: weights in host memory, one copy from hot; hot: back on the device.
+            self.module.to("cpu" if tier is Tier.warm else self.device)
+            self.tier = tier
+            return
+        super().set_tier(tier)
+
+    def unload(self) -> None:
+        self.module = None
+        if self._pin is not None:
+            self._pin.release()  # the cache may evict the entry again
+            self._pin = None
+        gc.collect()
