@@ -11,6 +11,7 @@ from sqlalchemy import Engine
 
 import ember
 from ember.api import problems
+from ember.api.deps import PrincipalCache
 from ember.api.middleware import BodyLimit, JsonBodies, RequestContext
 from ember.api.routes import deployments, health, models, predict, tenants
 from ember.config import Settings
@@ -65,6 +66,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         responses=problems.PROBLEM_RESPONSES,
     )
     app.state.settings = settings
+    app.state.principals = PrincipalCache()
     problems.install(app)
     for module in (health, tenants, models, deployments, predict):
         app.include_router(module.router)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Annotated
 
@@ -11,6 +12,7 @@ from sqlmodel import Session
 
 from ember.config import Settings
 from ember.errors import Unauthenticated
+from ember.registry.security import hash_key
 from ember.registry.tenants import Principal, authenticate
 
 _bearer = HTTPBearer(auto_error=False, description="An Ember API key.")
@@ -34,8 +36,33 @@ def get_settings(request: Request) -> Settings:
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 
 
-def get_principal(
-    session: SessionDep,
+class PrincipalCache:
+    """Recently authenticated keys, so the hot path (``:predict``) does not hit the
+    database per request. Entries live ``ttl_s``; a revocation in this process drops
+    them at once (other API processes see it within ``ttl_s``)."""
+
+    def __init__(self, ttl_s: float = 5.0, max_entries: int = 10_000) -> None:
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self.entries: dict[tuple[str, str | None], tuple[float, Principal]] = {}
+
+    def get(self, key: tuple[str, str | None]) -> Principal | None:
+        hit = self.entries.get(key)
+        if hit is None or hit[0] < time.monotonic():
+            return None
+        return hit[1]
+
+    def put(self, key: tuple[str, str | None], principal: Principal) -> None:
+        if len(self.entries) >= self.max_entries:
+            self.entries.clear()
+        self.entries[key] = (time.monotonic() + self.ttl_s, principal)
+
+    def forget_key(self, key_id: int) -> None:
+        self.entries = {k: v for k, v in self.entries.items() if v[1].key_id != key_id}
+
+
+async def get_principal(
+    request: Request,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
     x_ember_tenant: Annotated[
         str | None,
@@ -46,7 +73,14 @@ def get_principal(
         raise Unauthenticated("send an API key as `Authorization: Bearer <key>`")
     if len(credentials.credentials) > 512:
         raise Unauthenticated("the API key is not valid (unknown or revoked)")
-    return authenticate(session, credentials.credentials, x_ember_tenant)
+    cache: PrincipalCache = request.app.state.principals
+    cache_key = (hash_key(credentials.credentials), x_ember_tenant)
+    principal = cache.get(cache_key)
+    if principal is None:
+        with Session(request.app.state.engine) as session:
+            principal = authenticate(session, credentials.credentials, x_ember_tenant)
+        cache.put(cache_key, principal)
+    return principal
 
 
 PrincipalDep = Annotated[Principal, Depends(get_principal)]

@@ -147,6 +147,8 @@ class PoolsController:
         self.demand: dict[tuple[tuple[int, str], str], list[float]] = {}
         self.startup_s: list[float] = []
         self.autoscale_every_s = 1.0
+        self.registry_every_s = 1.0
+        self._last_read = -math.inf
         self._last_step = time.monotonic()
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -172,7 +174,10 @@ class PoolsController:
             await asyncio.sleep(self.tick_s)
 
     async def reconcile(self) -> None:
-        self.deployments = await asyncio.to_thread(self._read_registry)
+        now = time.monotonic()
+        if now - self._last_read >= self.registry_every_s:  # policy changes apply within 1 s
+            self._last_read = now
+            self.deployments = await asyncio.to_thread(self._read_registry)
         self._reap_exited()
         await self._check_starting()
         await self._probe_idle()

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from sqlmodel import Session, select
 
 from ember.engine.spec import Priority
 from ember.errors import BackPressure, EngineError, NotFound, NotReady, Upstream
@@ -26,7 +25,6 @@ from ember.pools.router import (
     record_failure,
     record_success,
 )
-from ember.registry.tables import Deployment, Model
 
 log = get_logger(__name__)
 RETRYABLE_STATUS = {429, 503}
@@ -54,21 +52,19 @@ class Gateway:
         )
         self.rng = random.Random()
 
-    def deployment_for(self, session: Session, tenant_id: int, model: str) -> DeploymentView:
-        """The deployment serving ``model``: the one named after it, else any of it."""
-        view = self.controller.deployments.get((tenant_id, model))
+    def deployment_for(self, tenant_id: int, model: str) -> DeploymentView:
+        """The deployment serving ``model``: the one named after it, else any of it (from
+        the controller's view of the registry: no database read on the hot path)."""
+        deployments = self.controller.deployments
+        view = deployments.get((tenant_id, model))
         if view is not None and view.model == model:
             return view
-        row = session.exec(
-            select(Model).where(Model.tenant_id == tenant_id, Model.name == model)
-        ).first()
-        if row is None:
-            raise NotFound(f"model {model!r} does not exist")
-        names = session.exec(select(Deployment.name).where(Deployment.model_id == row.id)).all()
-        for name in sorted(names):
-            if (tenant_id, name) in self.controller.deployments:
-                return self.controller.deployments[(tenant_id, name)]
-        raise NotReady(f"model {model!r} is not deployed", model=model)
+        serving = sorted(
+            n for (t, n), v in deployments.items() if t == tenant_id and v.model == model
+        )
+        if serving:
+            return deployments[(tenant_id, serving[0])]
+        raise NotFound(f"no deployment serves model {model!r}", model=model)
 
     async def predict(
         self,

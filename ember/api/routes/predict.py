@@ -43,9 +43,14 @@ def _gateway(request: Request) -> Gateway:
 
 
 async def _predict(
-    request: Request, response: Response, session: Any, principal: Any, name: str,
-    body: PredictRequest, version: str | None, session_key: str | None,
-) -> PredictResponse:  # fmt: skip
+    request: Request,
+    response: Response,
+    principal: Any,
+    name: str,
+    body: PredictRequest,
+    version: str | None,
+    session_key: str | None,
+) -> PredictResponse:
     gateway = _gateway(request)
     try:
         priority = Priority.parse(body.priority)
@@ -53,10 +58,11 @@ async def _predict(
         raise InvalidInput(str(exc)) from exc
     if priority is Priority.health:
         raise InvalidInput("the health class is reserved for probes")
-    view = gateway.deployment_for(session, principal.tenant_id, name)
+    view = gateway.deployment_for(principal.tenant_id, name)
     timeout_ms = body.timeout_ms or float(view.policy.timeout_ms)
-    result = await gateway.predict(view, principal.tenant, body.instances, priority, timeout_ms,
-                                   session_key, version)  # fmt: skip
+    result = await gateway.predict(
+        view, principal.tenant, body.instances, priority, timeout_ms, session_key, version
+    )
     response.headers["X-Ember-Deployment"] = result.deployment
     response.headers["X-Ember-Version"] = result.version
     response.headers["X-Ember-Replica"] = result.replica_id
@@ -68,31 +74,38 @@ async def _predict(
 
 @router.post("/v1/models/{name}:predict", summary="Predict with the deployed version(s)")
 async def predict(
-    name: ModelName, body: PredictRequest, request: Request, response: Response,
-    session: SessionDep, principal: PrincipalDep,
+    name: ModelName,
+    body: PredictRequest,
+    request: Request,
+    response: Response,
+    principal: PrincipalDep,
     x_ember_session: Annotated[str | None, Header(max_length=256)] = None,
-) -> PredictResponse:  # fmt: skip
+) -> PredictResponse:
     """Routed by the deployment's traffic weights (canary); `X-Ember-Session` keeps a
     session on one replica while it is not overloaded."""
-    return await _predict(request, response, session, principal, name, body, None, x_ember_session)
+    return await _predict(request, response, principal, name, body, None, x_ember_session)
 
 
 @router.post("/v1/models/{name}/versions/{version}:predict", summary="Predict with one version")
 async def predict_version(
-    name: ModelName, version: VersionRef, body: PredictRequest, request: Request,
-    response: Response, session: SessionDep, principal: PrincipalDep,
+    name: ModelName,
+    version: VersionRef,
+    body: PredictRequest,
+    request: Request,
+    response: Response,
+    principal: PrincipalDep,
     x_ember_session: Annotated[str | None, Header(max_length=256)] = None,
-) -> PredictResponse:  # fmt: skip
-    return await _predict(
-        request, response, session, principal, name, body, version, x_ember_session
-    )
+) -> PredictResponse:
+    return await _predict(request, response, principal, name, body, version, x_ember_session)
 
 
 @router.get("/v1/deployments/{name}/replicas", summary="A deployment's replicas")
 def replicas(
-    name: Annotated[str, Path(pattern=NAME_PATTERN)], request: Request, session: SessionDep,
+    name: Annotated[str, Path(pattern=NAME_PATTERN)],
+    request: Request,
+    session: SessionDep,
     principal: PrincipalDep,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     deployment = deployments.get(session, principal.tenant_id, name)
     gateway = _gateway(request)
     key = (deployment.tenant_id, deployment.name)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path, status
+from fastapi import APIRouter, Path, Request, status
 from sqlmodel import col, select
 
 from ember.api.deps import Cursor, Limit, PrincipalDep, SessionDep
@@ -68,12 +68,14 @@ def list_keys(
 
 @router.delete("/keys/{key_id}", summary="Revoke an API key")
 def revoke_key(
+    request: Request,
     key_id: Annotated[int, Path(ge=1, le=2**62)],
     principal: PrincipalDep,
     session: SessionDep,
 ) -> ApiKeyPublic:
     row = tenants.revoke_key(session, principal, key_id)
     session.commit()
+    request.app.state.principals.forget_key(key_id)
     tenant = session.get(Tenant, row.tenant_id)
     return _key_public(row, tenant.name if tenant else "")
 
