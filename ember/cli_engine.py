@@ -105,6 +105,8 @@ def _serve_replica(
 
     apply_thread_limits(budget)
     spec = VersionSpec.model_validate(raw) if raw is not None else None
+    if spec is None:
+        _preimport_engines()
     replica = Replica(settings, BatchPolicy(**policy), device, replica_id)
     if spec is not None:
         bind_process(model=spec.model, version=spec.version)
@@ -167,3 +169,21 @@ def calibrate(
         )
         runtime.close()
     print(json.dumps({"hardware": hardware, **stored["cost_models"][hardware]}, indent=2))
+
+
+def _preimport_engines() -> None:
+    """A standby process pays for the imports now, so that an assignment is only a
+    weight load: the engines, transformers and its most common model code."""
+    import importlib
+
+    for name in (
+        "ember.engine.torch_engine",
+        "ember.engine.transformers_engine",
+        "transformers.models.auto.modeling_auto",
+        "transformers.models.bert.modeling_bert",
+        "transformers.models.llama.modeling_llama",
+    ):
+        try:
+            importlib.import_module(name)
+        except ImportError:  # an engine whose library is not installed here
+            continue
