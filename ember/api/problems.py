@@ -30,6 +30,21 @@ class Problem(BaseModel):
     instance: str | None = None
 
 
+def problem_responses(*statuses: tuple[int, str]) -> dict[int | str, dict[str, Any]]:
+    return {
+        status: {"model": Problem, "content": {PROBLEM_JSON: {}}, "description": title}
+        for status, title in statuses
+    }
+
+
+#: What the data plane may answer besides the control plane's errors.
+DATA_PLANE_RESPONSES = problem_responses(
+    (429, "Shed: over budget or queues full (see Retry-After)"),
+    (502, "The replica failed"),
+    (503, "No ready replica"),
+    (504, "Deadline exceeded"),
+)
+
 PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": Problem, "content": {PROBLEM_JSON: {}}, "description": title}
     for status, title in [

@@ -26,7 +26,8 @@ CHECKS = ",".join(
 
 
 def test_schemathesis_finds_no_server_errors_or_schema_violations(tmp_path: Path) -> None:
-    settings = Settings(data_dir=tmp_path, admin_key=ADMIN_KEY, pools_enabled=False)  # type: ignore[arg-type]
+    # The pools controller runs (no standby process): predict is exercised too.
+    settings = Settings(data_dir=tmp_path, admin_key=ADMIN_KEY, standby_replicas=0)  # type: ignore[arg-type]
     write_valid(tmp_path / "objects" / "w.safetensors")
     exe = Path(sys.executable).with_name("schemathesis")
     with services.serve_app(create_app(settings)) as url:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from sqlalchemy import text
 
 import ember
@@ -27,8 +27,12 @@ def readyz(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ready"})
 
 
-@router.get("/metrics", summary="Prometheus metrics of the pools and the gateway")
+@router.get(
+    "/metrics",
+    summary="Prometheus metrics of the pools and the gateway",
+    response_class=PlainTextResponse,
+)
 def metrics(request: Request) -> Response:
     gateway = getattr(request.app.state, "gateway", None)
     data = gateway.controller.metrics.render() if gateway is not None else b""
-    return Response(data, media_type="text/plain; version=0.0.4")
+    return PlainTextResponse(data, media_type="text/plain; version=0.0.4")

@@ -8,13 +8,14 @@ from fastapi import APIRouter, Header, Path, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from ember.api.deps import PrincipalDep, SessionDep
+from ember.api.problems import DATA_PLANE_RESPONSES
 from ember.engine.spec import Priority
 from ember.errors import InvalidInput, NotReady
 from ember.pools.gateway import Gateway
 from ember.registry import deployments
 from ember.registry.schemas import NAME_PATTERN, VERSION_PATTERN
 
-router = APIRouter(tags=["predict"])
+router = APIRouter(tags=["predict"], responses=DATA_PLANE_RESPONSES)
 ModelName = Annotated[str, Path(pattern=NAME_PATTERN, description="Model name.")]
 VersionRef = Annotated[str, Path(pattern=VERSION_PATTERN, description="Version.")]
 
