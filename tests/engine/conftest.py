@@ -93,7 +93,7 @@ def start_engine(data_dir: Path, tmp_path: Path) -> Iterator[StartEngine]:
             proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
         engine = EngineProcess(f"http://127.0.0.1:{port}", proc, log)
         procs.append(engine)
-        path = "/readyz" if ready and spec is not None else "/healthz"
+        path = "/readyz" if ready and spec is not None else "/info"  # /info answers in any state
         wait_until(
             lambda: httpx.get(engine.url + path).status_code == 200,
             90,
