@@ -101,8 +101,10 @@ def test_sigstopped_replica_is_detected_and_replaced(live: Live) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(victim["pid"], signal.SIGKILL)
     killed = next(e for e in live.events("mlp") if e["event"] == "killed")
-    # idle 0.5 s before the first probe, then 2 probes of at most 1 s each, + ticks (0.25 s)
-    assert killed["detected_after_s"] <= 0.5 + 2 * (1.0 + 0.25) + 1.0, killed
+    # idle 0.5 s before the first probe, then 2 probes of at most 1 s each, + ticks (0.25 s),
+    # + 3 s of scheduling slack for a loaded 2-core CI machine
+    assert killed["detected_after_s"] <= 0.5 + 2 * (1.0 + 0.25) + 3.0, killed
+    assert killed["detected_after_s"] >= 0.5 + 1.0, killed  # not before two probes could fail
     live.wait(lambda: len(live.ready("mlp")) == 1, "replacement")
     assert live.predict("mlp").status_code == 200
 
