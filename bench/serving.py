@@ -131,9 +131,8 @@ def main() -> None:
     )
     print(f"{'path':<10} {'n':>6} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8}")
     for name, lat in (("direct", d), ("gateway", g)):
-        print(
-            f"{name:<10} {len(lat):>6} {pct(lat, 0.5):>8.2f} {pct(lat, 0.99):>8.2f} {statistics.mean(lat):>8.2f}"
-        )
+        p50, p99, mean = pct(lat, 0.5), pct(lat, 0.99), statistics.mean(lat)
+        print(f"{name:<10} {len(lat):>6} {p50:>8.2f} {p99:>8.2f} {mean:>8.2f}")
     added50, added99 = pct(g, 0.5) - pct(d, 0.5), pct(g, 0.99) - pct(d, 0.99)
     print(f"gateway adds {added50:.2f} ms at p50, {added99:.2f} ms at p99 (target: <= 1 ms at p50)")
     print(

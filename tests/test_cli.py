@@ -20,6 +20,7 @@ from tests.api.conftest import ADMIN_KEY
 from tests.artifacts import write_valid
 
 EMBER = str(Path(sys.executable).with_name("ember"))
+TORCH = ("--engine", "torch", "--engine-config", '{"factory": "ember.engine.examples.mlp:mlp"}')
 
 
 def run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -77,6 +78,7 @@ def test_push_deploy_promote_from_the_command_line(
             "minilm",
             "-v",
             "2",
+            *TORCH,
         ).returncode
         == 0
     )
@@ -124,7 +126,7 @@ def test_push_to_s3_uses_multipart_and_validates_over_http(
     )
     artifact = write_valid(tmp_path / "big.safetensors", tensors=3, rows=128 * 1024)  # 12 MiB
     for cli_env in start(settings, env):
-        pushed = run(cli_env, "models", "push", str(artifact), "-n", "big", "-v", "1")
+        pushed = run(cli_env, "models", "push", str(artifact), "-n", "big", "-v", "1", *TORCH)
         assert pushed.returncode == 0, pushed.stderr
         version = httpx.get(
             f"{cli_env['EMBER_URL']}/v1/models/big/versions/1",
@@ -177,7 +179,10 @@ def test_calibrate_stores_a_cost_model_for_this_hardware(
 
 def test_cache_warm_ls_evict_through_the_registry(file_env: dict[str, str], tmp_path: Path) -> None:
     artifact = write_valid(tmp_path / "w.safetensors")
-    assert run(file_env, "models", "push", str(artifact), "-n", "cached", "-v", "3").returncode == 0
+    assert (
+        run(file_env, "models", "push", str(artifact), "-n", "cached", "-v", "3", *TORCH).returncode
+        == 0
+    )
     warmed = run(file_env, "cache", "warm", "cached:3")
     assert warmed.returncode == 0, warmed.stderr
     listed = run(file_env, "cache", "ls")
@@ -186,3 +191,13 @@ def test_cache_warm_ls_evict_through_the_registry(file_env: dict[str, str], tmp_
     assert "cached:3" not in run(file_env, "cache", "ls").stdout
     missing = run(file_env, "cache", "warm", "cached:9")
     assert missing.returncode == 1 and "does not exist" in missing.stderr
+
+
+def test_a_version_that_can_never_serve_is_refused(
+    file_env: dict[str, str], tmp_path: Path
+) -> None:
+    artifact = write_valid(tmp_path / "w.safetensors")
+    refused = run(
+        file_env, "models", "push", str(artifact), "-n", "m", "-v", "1", "--engine", "torch"
+    )
+    assert refused.returncode == 1 and "engine_config.factory" in refused.stderr

@@ -62,7 +62,12 @@ def test_registry_log_lines_carry_model_and_version(captured: io.StringIO, tmp_p
 
         bootstrap(session, None)
         model = catalog.create_model(session, 1, ModelCreate(name="minilm"))
-        body = ModelVersionCreate(version="7", artifact_uri=artifact.as_uri(), engine="torch")
+        body = ModelVersionCreate(
+            version="7",
+            artifact_uri=artifact.as_uri(),
+            engine="torch",
+            engine_config={"factory": "ember.engine.examples.mlp:mlp"},
+        )
         catalog.register_version(session, settings, model, body)
     registered = [r for r in lines(captured) if r["event"] == "version registered"]
     assert registered and registered[0]["model"] == "minilm" and registered[0]["version"] == "7"

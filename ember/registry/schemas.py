@@ -7,6 +7,7 @@ default.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
@@ -117,6 +118,11 @@ class ModelVersionCreate(Input):
         None, description="Expected digest; registration fails if the artifact's differs."
     )
 
+    @model_validator(mode="after")
+    def _engine_config(self) -> ModelVersionCreate:
+        check_engine_config(self.engine, self.engine_config)
+        return self
+
 
 class CostModelPublic(Input):
     """``cost = alpha*in + beta*out + gamma`` model units; capacity in units per second."""
@@ -125,6 +131,22 @@ class CostModelPublic(Input):
     beta: float = Field(ge=0, le=1e6)
     gamma: float = Field(ge=0, le=1e6)
     capacity_units_per_s: float = Field(gt=0, le=1e12)
+
+
+FACTORY_PATTERN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+def check_engine_config(engine: str, config: dict[str, Any]) -> None:
+    """What can be checked without importing the engine (the control plane stays torch-free)."""
+    if engine == "torch" and not (
+        isinstance(config.get("factory"), str) and FACTORY_PATTERN.match(config["factory"])
+    ):
+        raise ValueError('the torch engine needs engine_config.factory: "package.module:callable"')
+    if engine == "transformers" and config.get("task", "embedding") not in (
+        "embedding",
+        "classification",
+    ):
+        raise ValueError("transformers engine_config.task must be embedding or classification")
 
 
 class ModelVersionPublic(Public):

@@ -14,6 +14,8 @@ from ember.config import Settings
 from tests import services
 
 ADMIN_KEY = "ek_test-admin-key-0123456789abcdef"
+#: A torch engine config that names a real factory (the MLP example).
+MLP = {"factory": "ember.engine.examples.mlp:mlp"}
 
 
 @dataclass

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.api.conftest import Api
+from tests.api.conftest import MLP, Api
 from tests.api.test_models import problem
 from tests.artifacts import raw_artifact, write_valid
 
@@ -53,7 +53,7 @@ def test_corrupt_artifacts_are_refused_precisely(api: Api, store_dir: Path, case
     path = store_dir / "bad.safetensors"
     path.write_bytes(content)
     api.admin.post("/v1/models", json={"name": "m"})
-    body = {"version": "1", "artifact_uri": path.as_uri(), "engine": "torch"}
+    body = {"version": "1", "artifact_uri": path.as_uri(), "engine": "torch", "engine_config": MLP}
     detail = problem(api.admin.post("/v1/models/m/versions", json=body), 422, "invalid-artifact")
     assert reason in str(detail["detail"]), detail
     problem(api.admin.get("/v1/models/m/versions/1"), 404, "not-found")
@@ -61,7 +61,12 @@ def test_corrupt_artifacts_are_refused_precisely(api: Api, store_dir: Path, case
 
 def test_missing_artifact(api: Api, store_dir: Path) -> None:
     api.admin.post("/v1/models", json={"name": "m"})
-    body = {"version": "1", "artifact_uri": (store_dir / "nope").as_uri(), "engine": "torch"}
+    body = {
+        "version": "1",
+        "artifact_uri": (store_dir / "nope").as_uri(),
+        "engine": "torch",
+        "engine_config": MLP,
+    }
     problem(api.admin.post("/v1/models/m/versions", json=body), 422, "artifact-not-found")
 
 
@@ -80,7 +85,7 @@ def test_paths_escaping_the_store_are_refused(api: Api, store_dir: Path, tmp_pat
         "file:relative/path",
     ]
     for uri in uris:
-        body = {"version": "1", "artifact_uri": uri, "engine": "torch"}
+        body = {"version": "1", "artifact_uri": uri, "engine": "torch", "engine_config": MLP}
         response = api.admin.post("/v1/models/m/versions", json=body)
         detail = problem(response, 422, "store-access-denied")
         assert uri.split("//")[-1][:20] in str(detail["detail"]) or "file" in str(detail["detail"])
@@ -89,14 +94,24 @@ def test_paths_escaping_the_store_are_refused(api: Api, store_dir: Path, tmp_pat
 
 def test_unsupported_scheme(api: Api) -> None:
     api.admin.post("/v1/models", json={"name": "m"})
-    body = {"version": "1", "artifact_uri": "http://example.com/w.safetensors", "engine": "torch"}
+    body = {
+        "version": "1",
+        "artifact_uri": "http://example.com/w.safetensors",
+        "engine": "torch",
+        "engine_config": MLP,
+    }
     problem(api.admin.post("/v1/models/m/versions", json=body), 422, "store-access-denied")
 
 
 @pytest.mark.s3
 def test_s3_bucket_not_allowed_by_configuration(api: Api, moto_endpoint: str) -> None:
     api.admin.post("/v1/models", json={"name": "m"})
-    body = {"version": "1", "artifact_uri": "s3://not-ours/w.safetensors", "engine": "torch"}
+    body = {
+        "version": "1",
+        "artifact_uri": "s3://not-ours/w.safetensors",
+        "engine": "torch",
+        "engine_config": MLP,
+    }
     detail = problem(api.admin.post("/v1/models/m/versions", json=body), 422, "store-access-denied")
     assert "not-ours" in str(detail["detail"]) and "EMBER_S3_ALLOWED_BUCKETS" in str(
         detail["detail"]
@@ -141,9 +156,8 @@ def test_unknown_version_and_model(api: Api) -> None:
     problem(api.admin.get("/v1/models/nope"), 404, "not-found")
     api.admin.post("/v1/models", json={"name": "m"})
     problem(api.admin.get("/v1/models/m/versions/9"), 404, "not-found")
-    problem(api.admin.post("/v1/models/nope/versions",
-                           json={"version": "1", "artifact_uri": "file:///x", "engine": "torch"}),
-            404, "not-found")  # fmt: skip
+    body = {"version": "1", "artifact_uri": "file:///x", "engine": "torch", "engine_config": MLP}
+    problem(api.admin.post("/v1/models/nope/versions", json=body), 404, "not-found")
 
 
 def test_header_length_bomb_does_not_allocate(api: Api, store_dir: Path) -> None:
@@ -151,7 +165,7 @@ def test_header_length_bomb_does_not_allocate(api: Api, store_dir: Path) -> None
     path = store_dir / "bomb.safetensors"
     path.write_bytes(struct.pack("<Q", 2**63) + b"{}")
     api.admin.post("/v1/models", json={"name": "m"})
-    body = {"version": "1", "artifact_uri": path.as_uri(), "engine": "torch"}
+    body = {"version": "1", "artifact_uri": path.as_uri(), "engine": "torch", "engine_config": MLP}
     detail = problem(api.admin.post("/v1/models/m/versions", json=body), 422, "invalid-artifact")
     assert "limit" in str(detail["detail"])
     os.remove(path)

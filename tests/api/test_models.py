@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.api.conftest import Api
+from tests.api.conftest import MLP, Api
 from tests.artifacts import write_valid
 
 
@@ -24,7 +24,12 @@ def problem(response: httpx.Response, status: int, code: str) -> dict[str, objec
 def register(api: Api, store_dir: Path, model: str = "minilm", version: str = "1") -> dict:
     api.admin.post("/v1/models", json={"name": model})
     path = write_valid(store_dir / model / version / "model.safetensors")
-    body = {"version": version, "artifact_uri": path.as_uri(), "engine": "torch"}
+    body = {
+        "version": version,
+        "artifact_uri": path.as_uri(),
+        "engine": "torch",
+        "engine_config": MLP,
+    }
     response = api.admin.post(f"/v1/models/{model}/versions", json=body)
     assert response.status_code == 201, response.text
     return dict(response.json())
@@ -76,7 +81,7 @@ def test_register_version_records_digest_size_and_tensors(api: Api, store_dir: P
 def test_duplicate_version_is_a_conflict_and_keeps_the_original(api: Api, store_dir: Path) -> None:
     first = register(api, store_dir)
     other = write_valid(store_dir / "other.safetensors", tensors=5)
-    body = {"version": "1", "artifact_uri": other.as_uri(), "engine": "torch"}
+    body = {"version": "1", "artifact_uri": other.as_uri(), "engine": "torch", "engine_config": MLP}
     problem(api.admin.post("/v1/models/minilm/versions", json=body), 409, "conflict")
     assert api.admin.get("/v1/models/minilm/versions/1").json()["sha256"] == first["sha256"]
 
@@ -84,7 +89,13 @@ def test_duplicate_version_is_a_conflict_and_keeps_the_original(api: Api, store_
 def test_supplied_sha256_is_checked(api: Api, store_dir: Path) -> None:
     api.admin.post("/v1/models", json={"name": "m"})
     path = write_valid(store_dir / "a.safetensors")
-    body = {"version": "1", "artifact_uri": path.as_uri(), "engine": "torch", "sha256": "0" * 64}
+    body = {
+        "version": "1",
+        "artifact_uri": path.as_uri(),
+        "engine": "torch",
+        "engine_config": MLP,
+        "sha256": "0" * 64,
+    }
     detail = problem(api.admin.post("/v1/models/m/versions", json=body), 422, "invalid-artifact")
     assert "sha256 mismatch" in str(detail["detail"])
     problem(api.admin.get("/v1/models/m/versions/1"), 404, "not-found")  # nothing stored
@@ -105,7 +116,7 @@ def _wait_status(api: Api, path: str, timeout_s: float = 30) -> dict:
 def test_large_artifacts_validate_in_the_background(api: Api, store_dir: Path) -> None:
     api.admin.post("/v1/models", json={"name": "big"})
     path = write_valid(store_dir / "big.safetensors", tensors=4, rows=16 * 1024)  # ~2 MiB
-    body = {"version": "1", "artifact_uri": path.as_uri(), "engine": "torch"}
+    body = {"version": "1", "artifact_uri": path.as_uri(), "engine": "torch", "engine_config": MLP}
     response = api.admin.post("/v1/models/big/versions", json=body)
     assert response.status_code == 202, response.text
     assert response.json()["status"] == "pending"
@@ -120,7 +131,7 @@ def test_background_validation_failure_is_recorded_with_reason(api: Api, store_d
     path = write_valid(store_dir / "big.safetensors", tensors=2, rows=32 * 1024)
     with path.open("r+b") as fh:  # corrupt the end: the data section no longer matches
         fh.truncate(path.stat().st_size - 7)
-    body = {"version": "1", "artifact_uri": path.as_uri(), "engine": "torch"}
+    body = {"version": "1", "artifact_uri": path.as_uri(), "engine": "torch", "engine_config": MLP}
     assert api.admin.post("/v1/models/big/versions", json=body).status_code == 202
     failed = _wait_status(api, "/v1/models/big/versions/1")
     assert failed["status"] == "failed"
