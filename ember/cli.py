@@ -221,7 +221,3 @@ from ember.pools.cli import simulate_command  # noqa: E402
 
 app.add_typer(make_cache_app(_resolve_version), name="cache")
 app.command("simulate")(simulate_command)
-
-
-if __name__ == "__main__":
-    app()
