@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import os
 import random
-import shutil
 import tempfile
 import time
 from abc import ABC, abstractmethod
@@ -202,9 +201,6 @@ class FileStore(ObjectStore):
             Path(tmp).unlink(missing_ok=True)
             raise
         return self.stat(uri)
-
-    def copy_to(self, uri: str, dest: Path) -> None:
-        shutil.copyfile(self.path_of(uri), dest)
 
 
 class S3Store(ObjectStore):

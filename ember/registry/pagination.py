@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 from typing import Any, TypeVar
 
-from sqlmodel import Session, SQLModel, col, select
+from sqlmodel import Session, SQLModel
 from sqlmodel.sql.expression import SelectOfScalar
 
 from ember.errors import InvalidInput
@@ -39,6 +39,3 @@ def paginate(
         rows = rows[:limit]
         return rows, encode_cursor(getattr(rows[-1], "id"))  # noqa: B009
     return rows, None
-
-
-__all__ = ["col", "decode_cursor", "encode_cursor", "paginate", "select"]

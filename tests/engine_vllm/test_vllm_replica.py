@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ import pytest
 
 from ember.config import Settings
 from ember.loader.stores import join_uri, open_store
-from tests.services import background_job
+from tests.services import background_job, free_port
 
 openai = pytest.importorskip("openai", reason="pip install openai (the client side of these tests)")
 
@@ -57,13 +56,6 @@ class Replica:
     def client(self) -> Any:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0,
                              timeout=60)  # fmt: skip
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _push(artifact: Path, settings: Settings) -> str:
@@ -122,7 +114,7 @@ def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replica]:
                                                 "kv_cache_bytes": 64 * 1024**2}}  # fmt: skip
     spec_file = root / "spec.json"
     spec_file.write_text(json.dumps(spec))
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("EMBER_")}
     env |= {"EMBER_DATA_DIR": str(data_dir), "EMBER_LOG_FORMAT": "json",
             "VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
