@@ -10,7 +10,14 @@ import signal
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
+import httpx
+
+from ember.api.app import create_app
+from ember.config import Settings
+from tests import services
+from tests.api.conftest import ADMIN_KEY
 from tests.gateway.conftest import Live, deploy
 
 
@@ -167,3 +174,23 @@ def test_the_autoscaler_adds_replicas_under_load(live: Live) -> None:
     started = [e for e in live.events("slow") if e["event"] == "starting"]
     assert len(started) >= 3
     assert len(live.replicas("slow")) <= 3  # never above max_replicas
+
+
+def test_a_deployment_takes_a_ready_standby_process(data_dir: Path) -> None:
+    """With a standby process ready (runtime imported, no weights), a new deployment's
+    replica is that process, assigned its version — no interpreter start, no imports."""
+    settings = Settings(data_dir=data_dir, admin_key=ADMIN_KEY, standby_replicas=1)  # type: ignore[arg-type]
+    with services.serve_app(create_app(settings)) as url:
+        client = httpx.Client(
+            base_url=url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60
+        )
+        live = Live(url, client, data_dir / "objects")
+        standby = 'deployment="(standby)",state="standby"'
+        live.wait(lambda: standby in client.get("/metrics").text, "a ready standby process")
+        live.register("mlp", "1")
+        deploy(live, "mlp")
+        assigned = [e for e in live.events("mlp") if e["event"] == "assigned"]
+        assert assigned and assigned[0]["from_tier"] == "standby"
+        assert live.ready("mlp")[0]["replica_id"] == assigned[0]["replica_id"]
+        assert live.predict("mlp").status_code == 200
+        client.close()
