@@ -30,7 +30,9 @@ def test_fit_folds_a_constant_size_into_gamma() -> None:
 
 
 def test_calibration_of_the_synthetic_engine(tmp_path: Path) -> None:
-    known = {"alpha": 0.0002, "beta": 0.002, "gamma": 0.01}
+    # Sleeps of tens of milliseconds: scheduler jitter on a loaded 2-core machine (a few ms)
+    # stays well inside the 10 % tolerance.
+    known = {"alpha": 0.001, "beta": 0.01, "gamma": 0.05}
     spec = VersionSpec(model="syn", version="1", artifact_uri="file:///none", sha256="",
                        engine="synthetic", engine_config=known)  # fmt: skip
     engine = engine_class("synthetic")(spec, Settings(data_dir=tmp_path))
@@ -40,6 +42,6 @@ def test_calibration_of_the_synthetic_engine(tmp_path: Path) -> None:
     assert model.alpha == pytest.approx(known["alpha"], rel=0.1)
     assert model.beta == pytest.approx(known["beta"], rel=0.1)
     assert model.gamma == pytest.approx(known["gamma"], rel=0.1)
-    # A batch of 4 pays gamma once: capacity = 4 * (a*50+g) / (g + 4*a*50) = 4*0.02/0.05 = 1.6
+    # A batch of 4 pays gamma once: capacity = 4 * (a*50+g) / (g + 4*a*50) = 4*0.1/0.25 = 1.6
     assert model.capacity_units_per_s == pytest.approx(1.6, rel=0.1)
     assert CostModel.from_dict(model.to_dict()) == model
