@@ -38,6 +38,10 @@ class Prediction:
     replica_id: str
     deployment: str
     attempts: int
+    rung: str = "model"
+    """Which rung of the degradation ladder answered: model | cache | fallback | default."""
+    cache: str = "off"
+    """Response cache outcome: hit | miss | off."""
 
 
 class Gateway:

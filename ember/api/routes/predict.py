@@ -11,7 +11,7 @@ from ember.api.deps import PrincipalDep, SessionDep
 from ember.api.problems import DATA_PLANE_RESPONSES
 from ember.engine.spec import Priority
 from ember.errors import InvalidInput, NotReady
-from ember.pools.gateway import Gateway
+from ember.pools.gateway import Gateway, Prediction
 from ember.registry import deployments
 from ember.registry.schemas import NAME_PATTERN, VERSION_PATTERN
 
@@ -34,6 +34,17 @@ class PredictResponse(BaseModel):
     predictions: list[Any]
     model: str
     version: str
+
+
+def set_prediction_headers(response: Response, result: Prediction) -> None:
+    """Every data-plane answer says which deployment, version, replica and ladder rung
+    served it (every protocol route calls this)."""
+    response.headers["X-Ember-Deployment"] = result.deployment
+    response.headers["X-Ember-Version"] = result.version
+    response.headers["X-Ember-Replica"] = result.replica_id
+    response.headers["X-Ember-Attempts"] = str(result.attempts)
+    response.headers["X-Ember-Rung"] = result.rung
+    response.headers["X-Ember-Cache"] = result.cache
 
 
 def _gateway(request: Request) -> Gateway:
@@ -64,10 +75,7 @@ async def _predict(
     result = await gateway.predict(
         view, principal.tenant, body.instances, priority, timeout_ms, session_key, version
     )
-    response.headers["X-Ember-Deployment"] = result.deployment
-    response.headers["X-Ember-Version"] = result.version
-    response.headers["X-Ember-Replica"] = result.replica_id
-    response.headers["X-Ember-Attempts"] = str(result.attempts)
+    set_prediction_headers(response, result)
     return PredictResponse(
         predictions=result.body["predictions"], model=view.model, version=result.version
     )
