@@ -107,7 +107,14 @@ def up() -> None:
     print(f"redis:    {redis_url.split('@')[-1]}")
     if seeded:
         print(f"example:  minilm:1 pushed to {seeded} and deployed as `minilm`")
-    _run_api(settings, reload=False, prepared=prepared)
+    from ember.jobs.worker import supervise
+
+    worker = supervise(settings, prepared[0], redis_url)  # restarted whenever it dies
+    print(f"worker:   pid {worker.proc.pid if worker.proc else '?'} (`ember worker`, supervised)")
+    try:
+        _run_api(settings, reload=False, prepared=prepared)
+    finally:
+        worker.stop()
 
 
 def _run_api(
@@ -205,6 +212,7 @@ from ember.cli_models import deployments_app, models_app  # noqa: E402
 app.add_typer(models_app, name="models")
 app.add_typer(deployments_app, name="deployments")
 import ember.cli_engine  # noqa: E402,F401 - registers `ember engine`, `ember calibrate`
+from ember import cli_jobs  # noqa: E402,F401 - registers `ember jobs`, `ember worker`
 
 
 def _resolve_version(settings: Settings, model: str, version: str) -> tuple[str, str]:

@@ -86,8 +86,19 @@ class EmberClient:
     def get(self, path: str, **params: Any) -> Any:
         return self.request("GET", path, params={k: v for k, v in params.items() if v is not None})
 
-    def post(self, path: str, body: Any = None) -> Any:
-        return self.request("POST", path, json=body)
+    def post(self, path: str, body: Any = None, headers: dict[str, str] | None = None) -> Any:
+        return self.request("POST", path, json=body, headers=headers)
+
+    def download(self, path: str) -> httpx.Response:
+        """A raw response body (e.g. a job's result); problems raise as usual."""
+        try:
+            response = self.http.get(path)
+        except httpx.TransportError as exc:
+            raise errors.CapacityError(
+                f"cannot reach Ember at {self.http.base_url}: {exc}"
+            ) from exc
+        raise_for_problem(response)
+        return response
 
     def patch(self, path: str, body: Any) -> Any:
         return self.request("PATCH", path, json=body)

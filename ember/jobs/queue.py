@@ -1,0 +1,124 @@
+"""The Celery app on the Redis broker, and how jobs are published to it.
+
+Messages carry only a job id; everything else is read from the registry when the job
+runs, so a duplicate or stale message is harmless (the claim refuses it). Tasks are
+acknowledged late and rejected on worker loss, and the visibility timeout is set above
+the longest attempt (``EMBER_JOBS_TIMEOUT_S``), so an unacknowledged message comes back
+only once its attempt can no longer be running.
+
+Priorities: a job's ``priority`` is 0-9, higher first. kombu's Redis transport serves
+its priority 0 first, so the message priority is ``9 - priority``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from ember.config import Settings
+from ember.logs import get_logger
+
+log = get_logger(__name__)
+
+QUEUE = "ember.jobs"
+RUN_TASK = "ember.jobs.run"
+WEBHOOK_TASK = "ember.jobs.webhook"
+EPOCH_KEY = "ember:jobs:epoch"
+"""Set by the sweeper; its absence means Redis lost its data (restart without
+persistence, failover, flush): every queued job is then published again."""
+SWEEP_LOCK = "ember:jobs:sweep-lock"
+
+
+def broker_url(settings: Settings) -> str:
+    """``EMBER_REDIS_URL``, else the local Redis that ``ember up`` starts."""
+    return settings.redis_url or f"redis://127.0.0.1:{settings.local_redis_port}/0"
+
+
+def make_celery(settings: Settings) -> Any:
+    """A Celery app for ``settings`` (no connection is made until first use)."""
+    from celery import Celery
+
+    app = Celery("ember", set_as_current=False)
+    app.conf.update(
+        broker_url=broker_url(settings),
+        broker_connection_retry_on_startup=True,
+        broker_connection_timeout=4,
+        broker_transport_options={
+            "visibility_timeout": settings.jobs_visibility_timeout_s,
+            "priority_steps": list(range(10)),
+            "sep": ":",
+            "queue_order_strategy": "priority",
+            "socket_connect_timeout": 4,
+            "socket_timeout": 30,
+            "health_check_interval": 10,
+            "unacked_restore_interval": 10,
+        },
+        task_default_queue=QUEUE,
+        task_default_priority=4,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        task_ignore_result=True,
+        task_serializer="json",
+        accept_content=["json"],
+        result_backend=None,
+        worker_prefetch_multiplier=1,
+        worker_hijack_root_logger=False,
+        worker_redirect_stdouts=False,
+        worker_send_task_events=False,
+        worker_enable_remote_control=False,
+        worker_cancel_long_running_tasks_on_connection_loss=False,
+        enable_utc=True,
+    )
+    return app
+
+
+class Publisher:
+    """Publishes job and webhook messages from the API (or a worker).
+
+    A failure is logged and reported, never raised: the job row is already committed
+    with ``published_at`` unset, and the sweeper publishes it once Redis answers. After a
+    failure, publishing pauses for ``pause_s`` so a Redis outage does not add a connect
+    timeout to every submission.
+    """
+
+    def __init__(self, settings: Settings, pause_s: float = 5.0) -> None:
+        self.celery = make_celery(settings)
+        self.pause_s = pause_s
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+
+    def run(self, uid: str, priority: int, countdown_s: float = 0.0) -> bool:
+        return self._send(RUN_TASK, uid, priority=9 - priority, countdown_s=countdown_s)
+
+    def webhook(self, uid: str, countdown_s: float = 0.0) -> bool:
+        return self._send(WEBHOOK_TASK, uid, priority=0, countdown_s=countdown_s)
+
+    def _send(self, task: str, uid: str, *, priority: int, countdown_s: float) -> bool:
+        if time.monotonic() < self._down_until:
+            return False
+        try:
+            self.celery.send_task(
+                task,
+                args=[uid],
+                queue=QUEUE,
+                priority=priority,
+                countdown=countdown_s if countdown_s > 0 else None,
+                retry=False,
+            )
+        except Exception as exc:  # kombu OperationalError, redis errors, socket errors
+            with self._lock:
+                self._down_until = time.monotonic() + self.pause_s
+            log.warning(
+                "job not published (the sweeper will publish it)",
+                job_id=uid,
+                task=task,
+                error=f"{type(exc).__name__}: {exc}"[:300],
+            )
+            return False
+        return True
+
+    def close(self) -> None:
+        pool = self.celery.pool if self.celery._pool is not None else None
+        if pool is not None:
+            pool.force_close_all()

@@ -1,0 +1,168 @@
+"""Job inputs and results in the object store.
+
+Results are the canonical JSON ``{"predictions": [...]}``; its sha256 is the job's
+``result_sha256`` whether the result is kept inline (small) or in the store (large,
+under ``job-results/<tenant>/<model>/<version>/<job>/attempt-<n>.json``: each attempt
+writes its own object, and the one whose fenced write lost deletes its own).
+
+``input_uri`` objects must lie under ``job-inputs/<tenant>/`` of the object store, so a
+tenant can only feed a model what it put there itself (``ember jobs submit --input``
+uploads there).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import numpy as np
+
+from ember.config import Settings
+from ember.errors import InvalidInput, LoaderError, PayloadTooLarge
+from ember.loader.stores import FileStore, ObjectInfo, S3Store, join_uri, open_store
+
+DTYPES = ("float32", "float16", "float64", "int64", "int32")
+
+
+def encode_result(predictions: list[Any]) -> bytes:
+    return json.dumps({"predictions": predictions}, separators=(",", ":")).encode()
+
+
+def result_uri(settings: Settings, tenant: str, model: str, version: str, uid: str, n: int) -> str:
+    return join_uri(result_prefix(settings, tenant, model, version, uid), f"attempt-{n}.json")
+
+
+def input_prefix(settings: Settings, tenant: str) -> str:
+    return join_uri(settings.store_url, "job-inputs", tenant) + "/"
+
+
+def put_bytes(settings: Settings, uri: str, data: bytes) -> ObjectInfo:
+    store = open_store(uri, settings)
+    fd, tmp = tempfile.mkstemp(prefix="ember-job-", suffix=".json")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        return store.put_file(Path(tmp), uri)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def read_bytes(settings: Settings, uri: str, max_bytes: int, etag: str | None = None) -> bytes:
+    store = open_store(uri, settings)
+    info = store.stat(uri)
+    if info.size > max_bytes:
+        raise PayloadTooLarge(f"{uri} is {info.size} bytes; the limit is {max_bytes}")
+    return b"".join(store.iter_chunks(uri, etag=etag or info.etag))
+
+
+def delete_object(settings: Settings, uri: str) -> None:
+    """Remove one object (missing is fine)."""
+    store = open_store(uri, settings)
+    if isinstance(store, FileStore):
+        store.path_of(uri).unlink(missing_ok=True)
+    elif isinstance(store, S3Store):
+        bucket, key = store.split(uri)
+        store.client.delete_object(Bucket=bucket, Key=key)
+
+
+def delete_prefix(settings: Settings, prefix: str) -> int:
+    """Remove every object under ``prefix`` (a job's result folder: the result and what
+    attempts that died before their fenced write left behind). Returns how many."""
+    prefix = prefix.rstrip("/") + "/"
+    store = open_store(prefix + "x", settings)
+    removed = 0
+    if isinstance(store, FileStore):
+        root = store.path_of(prefix + "x").parent
+        if root.is_dir():
+            for path in sorted(root.rglob("*"), reverse=True):
+                if path.is_file() or path.is_symlink():
+                    path.unlink()
+                    removed += 1
+                else:
+                    path.rmdir()
+            root.rmdir()
+    elif isinstance(store, S3Store):
+        bucket, key = store.split(prefix + "x")
+        pages = store.client.get_paginator("list_objects_v2").paginate(
+            Bucket=bucket, Prefix=key[:-1]
+        )
+        for page in pages:
+            for obj in page.get("Contents", []):
+                store.client.delete_object(Bucket=bucket, Key=obj["Key"])
+                removed += 1
+    return removed
+
+
+def result_prefix(settings: Settings, tenant: str, model: str, version: str, uid: str) -> str:
+    return join_uri(settings.store_url, "job-results", tenant, model, version, uid)
+
+
+def locate_input(settings: Settings, tenant: str, uri: str) -> ObjectInfo:
+    """Check that ``uri`` is the tenant's own job input and small enough; its stat."""
+    prefix = input_prefix(settings, tenant)
+    parsed = urlparse(uri)
+    if not uri.startswith(prefix) or ".." in parsed.path.split("/") or "%" in parsed.path:
+        raise InvalidInput(
+            f"input_uri must lie under {prefix} (upload it there, or use "
+            "`ember jobs submit --input FILE`)",
+            allowed_prefix=prefix,
+        )
+    try:
+        info = open_store(uri, settings).stat(uri)
+    except LoaderError as exc:
+        raise InvalidInput(f"input_uri: {exc.detail}") from exc
+    if info.size > settings.jobs_max_input_bytes:
+        raise PayloadTooLarge(
+            f"input_uri object is {info.size} bytes; the limit is "
+            f"{settings.jobs_max_input_bytes} (EMBER_JOBS_MAX_INPUT_BYTES)"
+        )
+    return info
+
+
+def parse_instances(data: bytes, where: str) -> list[Any]:
+    """``{"instances": [...]}`` (the ``:predict`` body) from JSON bytes."""
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidInput(f"{where} is not valid JSON: {exc}") from exc
+    if not isinstance(doc, dict) or not isinstance(doc.get("instances"), list):
+        raise InvalidInput(f'{where} must be a JSON object {{"instances": [...]}}')
+    instances: list[Any] = doc["instances"]
+    if not instances:
+        raise InvalidInput(f"{where} has no instances")
+    return instances
+
+
+def check_instances(instances: list[Any], schema: dict[str, Any] | None) -> None:
+    """Reject instances that cannot fit the version's ``input_schema`` (the same rule the
+    engines apply), so bad input fails at submit, not minutes later in a worker."""
+    if not schema:
+        return
+    if "shape" in schema:
+        dtype = schema.get("dtype", "float32")
+        shape = tuple(schema["shape"])
+        for i, instance in enumerate(instances):
+            try:
+                array = np.asarray(instance, dtype=dtype if dtype in DTYPES else "float32")
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise InvalidInput(
+                    f"instances[{i}] is not a numeric array: {exc}", index=i
+                ) from exc
+            if array.shape != shape:
+                raise InvalidInput(
+                    f"instances[{i}] has shape {list(array.shape)}, expected {list(shape)}",
+                    index=i,
+                )
+    elif schema.get("type") == "string":
+        for i, instance in enumerate(instances):
+            if not isinstance(instance, str):
+                raise InvalidInput(f"instances[{i}] must be a string", index=i)
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()

@@ -1,0 +1,250 @@
+"""What the API does with a job: validate it, resolve its version, enforce idempotency and
+the tenant's quota, store it, and publish its id.
+
+Everything a worker could only discover minutes later — an unknown model or version, a
+model that is not deployed, instances of the wrong shape, an ``input_uri`` that is not
+the tenant's or not JSON, a private webhook address — is refused here with a
+problem+json error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from sqlalchemy import Engine, func
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session, col, select
+
+from ember.config import Settings
+from ember.costmodel import CostModel, hardware_key
+from ember.errors import BackPressure, Conflict, InvalidInput, NotFound
+from ember.jobs import records, results, webhooks
+from ember.jobs.queue import Publisher
+from ember.jobs.schemas import JobCreate
+from ember.logs import bound, get_logger
+from ember.registry import catalog
+from ember.registry.schemas import PoolPolicy
+from ember.registry.tables import Deployment, Job, JobStatus, Model, ModelVersion, VersionStatus
+from ember.registry.tenants import Principal
+
+log = get_logger(__name__)
+QUOTA_RETRY_AFTER_S = 10.0
+
+
+def request_digest(body: JobCreate) -> str:
+    canonical = json.dumps(body.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def check_idempotency_key(key: str | None) -> str | None:
+    if key is None:
+        return None
+    if not 1 <= len(key) <= 255 or not key.isascii() or not key.isprintable():
+        raise InvalidInput("Idempotency-Key must be 1-255 printable ASCII characters")
+    return key
+
+
+def _existing(session: Session, tenant_id: int, key: str, digest: str) -> Job | None:
+    job = session.exec(
+        select(Job).where(Job.tenant_id == tenant_id, Job.idempotency_key == key)
+    ).first()
+    if job is not None and job.request_sha256 != digest:
+        raise Conflict(
+            f"Idempotency-Key {key!r} was used for a different request (job {job.uid})",
+            job_id=job.uid,
+        )
+    return job
+
+
+def serving_deployment(session: Session, tenant_id: int, model: Model) -> Deployment:
+    """The deployment named after the model, else the first that serves it (the gateway's
+    rule)."""
+    rows = session.exec(
+        select(Deployment).where(Deployment.tenant_id == tenant_id, Deployment.model_id == model.id)
+    ).all()
+    if not rows:
+        raise NotFound(
+            f"no deployment serves model {model.name!r}; deploy it first", model=model.name
+        )
+    return sorted(rows, key=lambda d: (d.name != model.name, d.name))[0]
+
+
+def resolve(
+    session: Session, tenant_id: int, ref: str
+) -> tuple[Model, Deployment, str | None, ModelVersion]:
+    """``name[:version-or-alias]`` → model, deployment, the pinned version (None: the
+    traffic split decides) and the version whose schema and cost apply."""
+    name, _, wanted = ref.partition(":")
+    model = catalog.get_model(session, tenant_id, name)
+    deployment = serving_deployment(session, tenant_id, model)
+    served = {v for v, w in deployment.traffic.items() if w > 0} | set(deployment.fallback)
+    pinned: str | None = None
+    if wanted:
+        pinned = deployment.aliases.get(wanted, wanted)
+        row = session.exec(
+            select(ModelVersion).where(
+                ModelVersion.model_id == model.id, ModelVersion.version == pinned
+            )
+        ).first()
+        if row is None:
+            raise NotFound(f"model {name!r} has no version or alias {wanted!r}")
+        if pinned not in served:
+            raise NotFound(
+                f"version {pinned!r} of {name!r} is not served by deployment "
+                f"{deployment.name!r} (served: {', '.join(sorted(served)) or 'none'})"
+            )
+    else:
+        live = sorted((w, v) for v, w in deployment.traffic.items() if w > 0)
+        production = deployment.aliases.get("production") or (live[-1][1] if live else None)
+        row = session.exec(
+            select(ModelVersion).where(
+                ModelVersion.model_id == model.id, ModelVersion.version == production
+            )
+        ).first()
+        if row is None:
+            raise NotFound(f"deployment {deployment.name!r} serves no version")
+    if row.status is not VersionStatus.ready:
+        catalog.require_ready(model, row)
+    return model, deployment, pinned, row
+
+
+def submit(
+    session: Session,
+    settings: Settings,
+    publisher: Publisher,
+    principal: Principal,
+    body: JobCreate,
+    idempotency_key: str | None,
+) -> tuple[Job, bool]:
+    """Store and publish a job; returns it and whether it is an idempotent replay."""
+    key = check_idempotency_key(idempotency_key)
+    if body.webhook_url is not None:
+        webhooks.check_url(
+            body.webhook_url, settings.jobs_webhook_allow_private, must_resolve=False
+        )
+    digest = request_digest(body)
+    tenant_id = principal.tenant_id
+    if key is not None and (found := _existing(session, tenant_id, key, digest)) is not None:
+        return found, True
+    model, deployment, pinned, version = resolve(session, tenant_id, body.model)
+    if body.inputs is not None:
+        instances, input_info = body.inputs.instances, None
+    else:
+        input_info = results.locate_input(settings, principal.tenant, body.input_uri or "")
+        data = results.read_bytes(
+            settings, input_info.uri, settings.jobs_max_input_bytes, input_info.etag
+        )
+        instances = results.parse_instances(data, "input_uri")
+    results.check_instances(instances, version.input_schema)
+    cost = CostModel.from_dict((version.cost_models or {}).get(hardware_key("cpu")))
+    units = cost.cost(1) * len(instances)
+    _check_quota(session, settings, principal, units)
+    policy = PoolPolicy.model_validate(deployment.policy)
+    job = Job(
+        uid=records.new_uid(),
+        tenant_id=tenant_id,
+        model=model.name,
+        version_ref=body.model.partition(":")[2] or None,
+        version_pinned=pinned,
+        deployment=deployment.name,
+        priority=body.priority,
+        instances=len(instances),
+        units=units,
+        chunk_size=max(1, min(settings.jobs_chunk_instances, policy.max_batch_size // 2)),
+        inputs=instances if input_info is None else None,
+        input_uri=input_info.uri if input_info else None,
+        input_etag=input_info.etag if input_info else None,
+        input_bytes=input_info.size if input_info else None,
+        request_sha256=digest,
+        idempotency_key=key,
+        webhook_url=body.webhook_url,
+        max_attempts=settings.jobs_max_attempts,
+        # Optimistic: unset again below if publishing fails (then the sweeper publishes).
+        published_at=records.utcnow(),
+    )
+    session.add(job)
+    try:
+        session.commit()
+    except IntegrityError:  # the same key, submitted concurrently, won the race
+        session.rollback()
+        if key is not None and (found := _existing(session, tenant_id, key, digest)) is not None:
+            return found, True
+        raise
+    with bound(job_id=job.uid, model=job.model):
+        log.info(
+            "job queued",
+            instances=job.instances,
+            units=round(units, 3),
+            deployment=job.deployment,
+            version=pinned,
+        )
+    if not publisher.run(job.uid, job.priority):
+        job.published_at = None
+        session.add(job)
+        session.commit()
+    return job, False
+
+
+def _check_quota(session: Session, settings: Settings, principal: Principal, units: float) -> None:
+    queued_units, queued_jobs = session.exec(
+        select(func.coalesce(func.sum(Job.units), 0.0), func.count()).where(
+            Job.tenant_id == principal.tenant_id, col(Job.status).in_(records.UNFINISHED)
+        )
+    ).one()
+    if queued_jobs + 1 > settings.jobs_tenant_max_queued_jobs:
+        raise BackPressure(
+            f"tenant {principal.tenant!r} has {queued_jobs} unfinished jobs; the quota is "
+            f"{settings.jobs_tenant_max_queued_jobs}",
+            retry_after_s=QUOTA_RETRY_AFTER_S,
+            queued_jobs=queued_jobs,
+        )
+    if float(queued_units) + units > settings.jobs_tenant_max_queued_units:
+        raise BackPressure(
+            f"tenant {principal.tenant!r} has {float(queued_units):g} model units of unfinished "
+            f"jobs; this one adds {units:g} and the quota is "
+            f"{settings.jobs_tenant_max_queued_units:g}",
+            retry_after_s=QUOTA_RETRY_AFTER_S,
+            queued_units=round(float(queued_units), 3),
+        )
+
+
+def get_job(session: Session, tenant_id: int, uid: str) -> Job:
+    job = session.exec(select(Job).where(Job.uid == uid, Job.tenant_id == tenant_id)).first()
+    if job is None:
+        raise NotFound(f"job {uid!r} does not exist")
+    return job
+
+
+def cancel(
+    engine: Engine, session: Session, settings: Settings, publisher: Publisher, job: Job
+) -> Job:
+    if job.status not in records.UNFINISHED or not records.cancel(
+        engine, job.id or 0, bool(job.webhook_url), settings.jobs_result_ttl_s
+    ):
+        session.rollback()  # end the read snapshot: see what finished the job
+        session.refresh(job)
+        raise Conflict(
+            f"job {job.uid} is {job.status}; only queued or running jobs can be cancelled",
+            job_status=job.status,
+        )
+    with bound(job_id=job.uid):
+        log.info("job cancelled", was=job.status)
+    if job.webhook_url:
+        publisher.webhook(job.uid)
+    session.rollback()  # end the read snapshot: the next read sees the cancel
+    session.refresh(job)
+    return job
+
+
+def list_query(tenant_id: int, status: str | None, model: str | None) -> Any:
+    query = select(Job).where(Job.tenant_id == tenant_id)
+    if status is not None:
+        query = query.where(Job.status == status)
+    if model is not None:
+        query = query.where(Job.model == model)
+    return query
+
+
+__all__ = ["JobStatus", "cancel", "get_job", "list_query", "resolve", "submit"]

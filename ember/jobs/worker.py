@@ -1,0 +1,256 @@
+"""``ember worker``: a Celery worker for jobs; and the worker ``ember up`` supervises.
+
+One process runs ``EMBER_JOBS_WORKER_CONCURRENCY`` jobs at once on Celery's thread pool
+(the work is HTTP calls to the gateway), plus a lease-renewal thread and the sweeper.
+
+**How a worker authenticates.** Workers call the gateway's data plane like any client,
+with an *admin* key and ``X-Ember-Tenant: <the job's tenant>`` (the act-as rule of
+``ember.api.deps``), so one worker serves every tenant and each call is admitted,
+budgeted and logged as that tenant. The key is ``EMBER_JOBS_API_KEY``; ``ember up`` mints
+a dedicated admin key named ``ember-up-worker`` at every start (revoking the previous
+one) and hands it to its worker in the environment, so a single-machine set-up needs no
+configuration. Workers on other hosts get a key created with ``ember keys create
+--admin`` and the gateway's URL in ``EMBER_JOBS_API_URL``. Workers also need the
+registry (``EMBER_DATABASE_URL``), Redis (``EMBER_REDIS_URL``) and, for large inputs and
+results, the object store.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+from sqlalchemy import Engine, inspect
+from sqlmodel import Session, col, select
+
+from ember.config import Settings
+from ember.errors import CapacityError, InvalidInput
+from ember.jobs import webhooks
+from ember.jobs.queue import QUEUE, RUN_TASK, WEBHOOK_TASK, Publisher, make_celery
+from ember.jobs.runner import Leases, Runner, worker_id
+from ember.jobs.schemas import job_document
+from ember.jobs.sweeper import Sweeper
+from ember.logs import bind_process, get_logger
+from ember.registry.db import make_engine
+
+log = get_logger(__name__)
+UP_WORKER_KEY = "ember-up-worker"
+
+
+def wait_for_schema(engine: Engine, timeout_s: float = 60.0) -> None:
+    """The API migrates the registry; a worker started beside it waits for the jobs table."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if inspect(engine).has_table("jobs"):
+                return
+        except Exception as exc:
+            if time.monotonic() > deadline:
+                raise CapacityError(f"the registry is unreachable: {exc}") from exc
+        if time.monotonic() > deadline:
+            raise CapacityError("the registry has no jobs table: start the API first (it migrates)")
+        time.sleep(0.5)
+
+
+def build(settings: Settings) -> tuple[Any, Runner, Sweeper, Leases]:
+    """The Celery app with Ember's tasks bound to a runner (no threads started)."""
+    if settings.jobs_api_key is None:
+        raise InvalidInput(
+            "a worker needs EMBER_JOBS_API_KEY (an admin key; it acts for each job's tenant). "
+            "`ember up` sets one for its own worker; elsewhere create one with "
+            "`ember keys create --admin`"
+        )
+    engine = make_engine(settings.registry_url)
+    wait_for_schema(engine)
+    celery = make_celery(settings)
+    publisher = Publisher(settings)
+    leases = Leases(engine, settings.jobs_lease_s)
+    runner = Runner(settings, engine, publisher, leases)
+    sweeper = Sweeper(settings, engine, publisher)
+    hooks = httpx.Client()
+
+    def run(uid: object) -> str:
+        if not isinstance(uid, str) or len(uid) > 40:
+            log.warning("malformed job message dropped", payload=repr(uid)[:100])
+            return "malformed"
+        return runner.run(uid)
+
+    def webhook(uid: object) -> str:
+        if not isinstance(uid, str) or len(uid) > 40:
+            return "malformed"
+        return webhooks.deliver(engine, settings, publisher, uid, job_document, hooks)
+
+    # Late acknowledgement: a message is acknowledged only once its job is settled (the
+    # result written, or re-queued), and rejected back to the queue if the worker dies.
+    options = {"acks_late": True, "reject_on_worker_lost": True, "ignore_result": True}
+    celery.task(name=RUN_TASK, **options)(run)
+    celery.task(name=WEBHOOK_TASK, **options)(webhook)
+    return celery, runner, sweeper, leases
+
+
+def run_worker(
+    settings: Settings, concurrency: int | None = None, parent_pid: int | None = None
+) -> None:
+    """Run a worker in this process until it is stopped (SIGTERM/SIGINT: warm shutdown).
+    ``parent_pid``: stop (warm) as soon as that process is no longer this one's parent, so
+    a worker that ``ember up`` started never outlives it."""
+    if parent_pid is not None:
+        threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    celery, runner, sweeper, leases = build(settings)
+    from ember.batch.shards import install as install_batch  # batch shards: same queue
+
+    install_batch(celery, settings, runner.engine).start()
+    name = f"ember@{worker_id()}"
+    bind_process(worker=name)
+    leases.start()
+    sweeper.start()
+    log.info(
+        "job worker starting",
+        queue=QUEUE,
+        concurrency=concurrency or settings.jobs_worker_concurrency,
+        broker=celery.conf.broker_url.split("@")[-1],
+    )
+    try:
+        celery.worker_main(
+            [
+                "worker",
+                "--pool=threads",
+                f"--concurrency={concurrency or settings.jobs_worker_concurrency}",
+                f"--loglevel={settings.log_level}",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+                "-n",
+                name,
+                "-Q",
+                QUEUE,
+            ]
+        )
+    finally:
+        sweeper.stop.set()
+        leases.stop.set()
+        runner.close()
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    log.warning("the parent process is gone; stopping", parent=parent)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+# --- `ember up`: one supervised worker ------------------------------------------------
+
+
+def mint_worker_key(engine: Engine) -> str:
+    """A fresh admin key for ``ember up``'s worker; earlier ones are revoked."""
+    from ember.registry.db import session_scope
+    from ember.registry.tables import ApiKey, KeyScope
+    from ember.registry.tenants import DEFAULT_TENANT, create_key, get_tenant
+
+    with session_scope(engine) as session:
+        for old in session.exec(
+            select(ApiKey).where(ApiKey.name == UP_WORKER_KEY, col(ApiKey.revoked_at).is_(None))
+        ):
+            old.revoked_at = datetime.now(UTC)
+            session.add(old)
+        _, key = create_key(
+            session, get_tenant(session, DEFAULT_TENANT), UP_WORKER_KEY, KeyScope.admin
+        )
+    return key
+
+
+def revoke_worker_keys(engine: Engine) -> None:
+    from ember.registry.tables import ApiKey
+
+    with Session(engine) as session:
+        for row in session.exec(
+            select(ApiKey).where(ApiKey.name == UP_WORKER_KEY, col(ApiKey.revoked_at).is_(None))
+        ):
+            row.revoked_at = datetime.now(UTC)
+            session.add(row)
+        session.commit()
+
+
+class Supervisor:
+    """Runs ``ember worker`` as a child process and starts it again when it dies (with a
+    backoff that resets once a worker has lived a minute)."""
+
+    def __init__(self, env: dict[str, str], stop_timeout_s: float = 20.0) -> None:
+        self.env = env
+        self.stop_timeout_s = stop_timeout_s
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(
+            target=self._loop, name="ember-worker-supervisor", daemon=True
+        )
+
+    def start(self) -> None:
+        self._spawn()
+        self.thread.start()
+
+    def _spawn(self) -> None:
+        # Its own session: a Ctrl-C in the terminal reaches `ember up`, which stops the
+        # worker itself; --parent-pid covers `ember up` being killed outright.
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ember", "worker", "--parent-pid", str(os.getpid())],
+            env=self.env,
+            start_new_session=True,
+        )
+        self.started = time.monotonic()
+        log.info("job worker started", pid=self.proc.pid, restarts=self.restarts)
+
+    def _loop(self) -> None:
+        delay = 1.0
+        while not self.stopping.wait(0.5):
+            proc = self.proc
+            if proc is None or proc.poll() is None:
+                continue
+            if time.monotonic() - self.started > 60:
+                delay = 1.0
+            log.warning(
+                "job worker exited; starting another",
+                pid=proc.pid,
+                status=proc.returncode,
+                in_s=delay,
+            )
+            if self.stopping.wait(delay):
+                return
+            self.restarts += 1
+            self._spawn()
+            delay = min(30.0, delay * 2)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(5)
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)  # warm shutdown: running jobs finish or are restored
+        try:
+            proc.wait(self.stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def supervise(settings: Settings, engine: Engine, redis_url: str) -> Supervisor:
+    """``ember up``'s worker: minted key, the API's URL, the local Redis."""
+    from ember.jobs.runner import api_url
+
+    env = dict(os.environ)
+    if settings.jobs_api_key is None:
+        env["EMBER_JOBS_API_KEY"] = mint_worker_key(engine)
+    env["EMBER_JOBS_API_URL"] = api_url(settings)
+    env["EMBER_REDIS_URL"] = redis_url
+    supervisor = Supervisor(env)
+    supervisor.start()
+    return supervisor
