@@ -7,7 +7,7 @@ import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ember.api.problems import PROBLEM_JSON, TYPE_BASE
+from ember.api.problems import PROBLEM_JSON, TYPE_BASE, protocol_error
 from ember.logs import bound
 
 
@@ -124,6 +124,7 @@ async def send_problem(
 ) -> None:
     body = {"type": TYPE_BASE + code, "title": title, "status": status, "detail": detail,
             "instance": scope.get("path", "")}  # fmt: skip
+    body |= protocol_error(scope.get("path", ""), status, code, detail)
     raw = json.dumps(body).encode()
     headers = [
         (b"content-type", PROBLEM_JSON.encode()),

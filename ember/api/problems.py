@@ -60,6 +60,24 @@ PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
+#: OpenAI's error ``type`` per status (its clients pick the exception by status alone).
+OPENAI_ERROR_TYPES = {401: "authentication_error", 403: "permission_error",
+                      404: "not_found_error", 429: "rate_limit_error"}  # fmt: skip
+
+
+def protocol_error(path: str, status: int, code: str, detail: str) -> dict[str, Any]:
+    """The ``error`` member a standard protocol's own clients read, added beside the RFC
+    9457 members on that protocol's routes: the Open Inference Protocol (``/v2``) wants
+    ``{"error": "<message>"}``, OpenAI's clients ``{"error": {"message", "type", "code"}}``."""
+    if path == "/v2" or path.startswith("/v2/"):
+        return {"error": detail}
+    if path.startswith("/openai/"):
+        kind = "server_error" if status >= 500 else "invalid_request_error"
+        kind = OPENAI_ERROR_TYPES.get(status, kind)
+        return {"error": {"message": detail, "type": kind, "param": None, "code": code}}
+    return {}
+
+
 def problem(
     status: int, code: str, title: str, detail: str, request: Request, **extra: Any
 ) -> JSONResponse:
@@ -70,6 +88,7 @@ def problem(
         "detail": detail,
         "instance": request.url.path,
         **extra,
+        **protocol_error(request.url.path, status, code, detail),
     }
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
     return JSONResponse(body, status_code=status, media_type=PROBLEM_JSON, headers=headers)
@@ -79,7 +98,9 @@ async def _ember_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, EmberError)
     if isinstance(exc, Upstream):
         headers = {"Retry-After": exc.retry_after} if exc.retry_after else {}
-        return JSONResponse(exc.body, exc.upstream_status, media_type=PROBLEM_JSON, headers=headers)
+        code = str(exc.body.get("type", "")).rsplit("/", 1)[-1] or "upstream"
+        body = exc.body | protocol_error(request.url.path, exc.upstream_status, code, exc.detail)
+        return JSONResponse(body, exc.upstream_status, media_type=PROBLEM_JSON, headers=headers)
     if exc.status >= 500:
         log.error("request failed", error=exc.code, detail=exc.detail)
     response = problem(exc.status, exc.code, exc.title, exc.detail, request, **exc.extra)

@@ -525,12 +525,9 @@ def openai_error(status: int, message: str, kind: str = "BadRequestError") -> JS
 def vllm_priority(header: str | None) -> int:
     """``X-Ember-Priority`` → vLLM priority (lower first); health is for probes only."""
     try:
-        priority = Priority.parse(header or "online")
+        return int(Priority.requested(header))
     except ValueError as exc:
         raise InvalidInput(str(exc)) from exc
-    if priority is Priority.health:
-        raise InvalidInput("the health class is reserved for probes")
-    return int(priority)
 
 
 def _read_report(path: Path) -> LoadReport | None:
