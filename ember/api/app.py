@@ -13,8 +13,9 @@ import ember
 from ember.api import problems
 from ember.api.deps import PrincipalCache
 from ember.api.middleware import BodyLimit, JsonBodies, RequestContext
-from ember.api.routes import deployments, health, models, predict, tenants
+from ember.api.routes import deployments, health, jobs, models, openai, predict, tenants, v2
 from ember.config import Settings
+from ember.jobs import demand as jobs_demand
 from ember.logs import get_logger
 from ember.registry.db import make_engine, migrate, session_scope
 from ember.registry.tenants import bootstrap
@@ -48,12 +49,14 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         resumed = app.state.validator.resume_pending()
         if settings.pools_enabled:
             app.state.gateway = start_pools(settings, app.state.engine)
+        jobs_demand.attach(app, settings)  # job publisher; queue depth to the autoscaler
         log.info("ember api ready", registry=settings.registry_url.split("@")[-1],
                  resumed_validations=resumed)  # fmt: skip
         try:
             yield
         finally:
             app.state.validator.close()
+            jobs_demand.detach(app)
             if getattr(app.state, "gateway", None) is not None:
                 await app.state.gateway.close()
                 await app.state.gateway.controller.stop()
@@ -68,7 +71,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.principals = PrincipalCache()
     problems.install(app)
-    for module in (health, tenants, models, deployments, predict):
+    for module in (health, tenants, models, deployments, predict, v2, openai, jobs):
         app.include_router(module.router)
     app.add_middleware(JsonBodies)
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
@@ -80,12 +83,26 @@ def start_pools(settings: Settings, engine: Engine) -> Gateway:
     """The pools controller (local process replicas) and the gateway in front of it."""
     from ember.pools.admission import Admission
     from ember.pools.backends.local import LocalProcessBackend
+    from ember.pools.cache import ResponseCache
     from ember.pools.controller import PoolsController, ProbeSettings
     from ember.pools.gateway import Gateway
+    from ember.pools.predlog import PredictionLog
 
     probe = ProbeSettings(settings.probe_idle_s, settings.probe_timeout_s, settings.probe_failures)
     controller = PoolsController(engine, LocalProcessBackend(settings),
                                  standby_pool=settings.standby_replicas, probe=probe)  # fmt: skip
     controller.start()
     admission = Admission(settings.tenant_units_per_s, settings.tenant_burst_units)
-    return Gateway(controller, admission, settings.retry_budget_ratio)
+    cache = ResponseCache(
+        settings.redis_url,
+        front_entries=settings.response_cache_entries,
+        max_bytes=settings.response_cache_max_bytes,
+    )
+    return Gateway(
+        controller,
+        admission,
+        settings.retry_budget_ratio,
+        cache=cache,
+        predictions=PredictionLog.from_settings(settings),
+        ladder_reserve=settings.ladder_reserve,
+    )

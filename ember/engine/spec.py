@@ -39,6 +39,14 @@ class Priority(enum.IntEnum):
                 f"priority must be one of online, async, batch (got {name!r})"
             ) from None
 
+    @classmethod
+    def requested(cls, label: str | None) -> Priority:
+        """The class a request asks for (default ``online``); ``health`` is for probes."""
+        priority = cls.parse(label or "online")
+        if priority is cls.health:
+            raise ValueError("the health class is reserved for probes")
+        return priority
+
     @property
     def label(self) -> str:
         return "async" if self is Priority.async_ else self.name

@@ -60,7 +60,10 @@ class Admission:
     ) -> None:
         """Raise ``BackPressure`` (429) unless the request may go now."""
         ceiling = CLASS_CEILING.get(priority, 1.0) * capacity_units
-        if priority is not Priority.online and inflight_units + units > ceiling:
+        # An idle pool always takes one request of any class: else a small pool (one
+        # replica, batch size 1) could never serve async or batch work at all.
+        held = inflight_units > 0 and inflight_units + units > ceiling
+        if priority is not Priority.online and held:
             raise BackPressure(
                 f"{priority.label} traffic is held back while online traffic uses the capacity",
                 retry_after_s=1.0, priority=priority.label,

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,6 +151,11 @@ class PoolsController:
         self.registry_every_s = 1.0
         self._last_read = -math.inf
         self._last_step = time.monotonic()
+        # The job queue's hook (ember.jobs.demand): (tenant id, deployment) -> model units
+        # of unfinished async jobs, read in a thread with the registry; added to the
+        # production version's queued units, so a backlog scales the pool to drain it.
+        self.async_demand: Callable[[], dict[tuple[int, str], float]] | None = None
+        self.async_queued: dict[tuple[int, str], float] = {}
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -178,6 +184,8 @@ class PoolsController:
         if now - self._last_read >= self.registry_every_s:  # policy changes apply within 1 s
             self._last_read = now
             self.deployments = await asyncio.to_thread(self._read_registry)
+            if self.async_demand is not None:
+                self.async_queued = await asyncio.to_thread(self.async_demand)
         self._reap_exited()
         await self._check_starting()
         await self._probe_idle()
@@ -331,6 +339,9 @@ class PoolsController:
             else:
                 out[version] = max(1, math.ceil(floor * weight / 100))
             out[version] = min(view.policy.max_replicas, out[version])
+        for version in view.fallback:  # the ladder's fallback rung: one hot replica, ready
+            if version in view.specs and version not in out:
+                out[version] = 1
         return out
 
     # --- autoscaling --------------------------------------------------------------------
@@ -381,7 +392,8 @@ class PoolsController:
             arrived_units_per_s=arrived / dt,
             admitted_units_per_s=admitted / dt,
             inflight_units=inflight,
-            queued_units=max(0.0, inflight - len(hot) * view.policy.max_batch_size * unit),
+            queued_units=max(0.0, inflight - len(hot) * view.policy.max_batch_size * unit)
+            + self.async_queued.get(key, 0.0),
             capacity_units_per_s=view.capacity_units_per_s(version),
             ready=TierCounts(
                 hot=len(hot),
@@ -439,7 +451,7 @@ class PoolsController:
         spec = view.specs[version]
         options = LaunchOptions(view.policy.max_batch_size, view.policy.max_queue_delay_ms)
         standby = next((r for r in self.replicas.values() if r.state == "standby"), None)
-        if standby is not None:
+        if standby is not None and self.backend.standby_can_run(spec):
             del self.replicas[standby.handle.replica_id]
             replica = ManagedReplica(
                 standby.handle, (view.tenant_id, view.name), view.model, version
@@ -560,7 +572,7 @@ class PoolsController:
             r.version
             for r in self.replicas.values()
             if r.key == key and r.state == "ready" and r.tier == "hot"
-        }
+        } - (set(view.fallback) - set(view.traffic))  # fallbacks answer only as the ladder
         if running:
             return {v: 1 for v in sorted(running)}
         raise NotReady(f"deployment {view.name!r} has no ready replica yet", deployment=view.name)

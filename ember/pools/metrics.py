@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
+    from ember.pools.cache import ResponseCache
     from ember.pools.controller import PoolsController
+    from ember.pools.predlog import PredictionLog
 
 LATENCY = (0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 STARTUP = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
@@ -46,6 +48,13 @@ class PoolMetrics:
         self.latency = Histogram(
             "ember_gateway_latency_seconds", "End-to-end latency", dv, buckets=LATENCY, registry=r
         )
+        self.queue_time = Histogram(
+            "ember_gateway_queue_seconds",
+            "Time in the replica's queue before the forward pass (reported by the replica)",
+            dv,
+            buckets=LATENCY,
+            registry=r,
+        )
         self.inflight = Gauge(
             "ember_gateway_inflight_units", "In-flight model units", dv, registry=r
         )
@@ -55,6 +64,34 @@ class PoolMetrics:
             dv,
             registry=r,
         )
+        self.rungs = Counter(
+            "ember_ladder_rung", "Answers per degradation-ladder rung", [*dv, "rung"], registry=r
+        )
+        self.cache = Counter(
+            "ember_response_cache",
+            "Response cache outcomes (hit, coalesced, miss, stale)",
+            ["deployment", "outcome"],
+            registry=r,
+        )
+        self.hedges = Counter(
+            "ember_hedges", "Hedged requests sent and won", [*dv, "outcome"], registry=r
+        )
+        self.log_records = Gauge(
+            "ember_prediction_log_records",
+            "Prediction log records by fate (written, dropped, pending)",
+            ["fate"],
+            registry=r,
+        )
+        self.log_sink_errors = Gauge(
+            "ember_prediction_log_sink_errors", "Failed prediction log flushes", registry=r
+        )
+        self.cache_errors = Gauge(
+            "ember_response_cache_errors",
+            "Response cache Redis errors (served as misses)",
+            registry=r,
+        )
+        self.prediction_log: PredictionLog | None = None
+        self.response_cache: ResponseCache | None = None
         self.successes: dict[tuple[str, str], int] = {}
         self.seconds: dict[tuple[str, str], float] = {}
         self._last = time.monotonic()
@@ -82,4 +119,12 @@ class PoolMetrics:
         self.successes[key] = self.successes.get(key, 0) + 1
 
     def render(self) -> bytes:
+        plog = self.prediction_log
+        if plog is not None:
+            self.log_records.labels("written").set(plog.written)
+            self.log_records.labels("dropped").set(plog.dropped)
+            self.log_records.labels("pending").set(plog.pending)
+            self.log_sink_errors.set(plog.sink_errors)
+        if self.response_cache is not None:
+            self.cache_errors.set(self.response_cache.stats.errors)
         return generate_latest(self.registry)

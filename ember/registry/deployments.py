@@ -29,6 +29,8 @@ from ember.registry.tables import Deployment, DeploymentRevision, Model, ModelVe
 
 log = get_logger(__name__)
 PRODUCTION, CANARY = "production", "canary"
+NULLABLE = {"safe_default"}
+"""Policy fields where null is a value (no default rung), not a missing one."""
 
 
 def create(session: Session, tenant_id: int, body: DeploymentCreate) -> Deployment:
@@ -86,8 +88,8 @@ def update(session: Session, deployment: Deployment, body: DeploymentUpdate) -> 
             catalog.get_version(session, model, version)
         deployment.fallback = fallback
     if changes:
-        if any(v is None for v in changes.values()):
-            nulls = sorted(k for k, v in changes.items() if v is None)
+        nulls = sorted(k for k, v in changes.items() if v is None and k not in NULLABLE)
+        if nulls:
             raise InvalidInput(f"policy fields cannot be null: {', '.join(nulls)}")
         merged = {**deployment.policy, **changes}
         try:

@@ -17,6 +17,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StringConstraints,
+    field_validator,
     model_validator,
 )
 
@@ -170,6 +171,9 @@ class ModelVersionPublic(Public):
 # --- deployments ------------------------------------------------------------------------
 
 
+MAX_SAFE_DEFAULT_BYTES = 16_384
+
+
 class PoolPolicy(Input):
     """How a deployment's replica pool behaves. Every field has a safe default."""
 
@@ -183,6 +187,36 @@ class PoolPolicy(Input):
     max_queue_delay_ms: float = Field(5, ge=0, le=10_000)
     timeout_ms: int = Field(30_000, ge=1, le=600_000)
     priority: int = Field(50, ge=0, le=100, description="Higher wins when capacity is short.")
+    cache_ttl_s: float = Field(
+        0, ge=0, le=86_400, description="Response cache TTL (jittered); 0 = no response cache."
+    )
+    cache_stale_s: float = Field(
+        0,
+        ge=0,
+        le=7 * 86_400,
+        description="How long past its TTL a cached answer may still serve as the "
+        "degradation ladder's `cache` rung; 0 = no stale answers.",
+    )
+    safe_default: Any = Field(
+        None,
+        description="The ladder's last rung: this JSON value answers every instance when the "
+        "model, the cache and the fallback versions cannot; null = no default rung.",
+    )
+    log_payloads: bool = Field(
+        False, description="Write inputs and outputs, not only digests, to the prediction log."
+    )
+    hedge: bool = Field(
+        False,
+        description="Send a second copy of a request still unanswered after the version's p95 "
+        "latency to another replica (within the retry budget) and take the first answer.",
+    )
+
+    @field_validator("safe_default")
+    @classmethod
+    def _small_default(cls, value: Any) -> Any:
+        if value is not None and len(json.dumps(value)) > MAX_SAFE_DEFAULT_BYTES:
+            raise ValueError(f"safe_default exceeds {MAX_SAFE_DEFAULT_BYTES} bytes of JSON")
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> PoolPolicy:
@@ -214,6 +248,11 @@ class DeploymentUpdate(Input):
     max_queue_delay_ms: float | None = Field(None, ge=0, le=10_000)
     timeout_ms: int | None = Field(None, ge=1, le=600_000)
     priority: int | None = Field(None, ge=0, le=100)
+    cache_ttl_s: float | None = Field(None, ge=0, le=86_400)
+    cache_stale_s: float | None = Field(None, ge=0, le=7 * 86_400)
+    safe_default: Any = Field(None, description="null removes the default rung.")
+    log_payloads: bool | None = None
+    hedge: bool | None = None
     fallback: list[VersionName] | None = Field(None, max_length=8)
 
 

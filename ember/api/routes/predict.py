@@ -47,7 +47,7 @@ def set_prediction_headers(response: Response, result: Prediction) -> None:
     response.headers["X-Ember-Cache"] = result.cache
 
 
-def _gateway(request: Request) -> Gateway:
+def gateway_of(request: Request) -> Gateway:
     gateway: Gateway | None = getattr(request.app.state, "gateway", None)
     if gateway is None:
         raise NotReady("this API process runs no pools controller (EMBER_POOLS_ENABLED=false)")
@@ -63,13 +63,11 @@ async def _predict(
     version: str | None,
     session_key: str | None,
 ) -> PredictResponse:
-    gateway = _gateway(request)
+    gateway = gateway_of(request)
     try:
-        priority = Priority.parse(body.priority)
+        priority = Priority.requested(body.priority)
     except ValueError as exc:
         raise InvalidInput(str(exc)) from exc
-    if priority is Priority.health:
-        raise InvalidInput("the health class is reserved for probes")
     view = gateway.deployment_for(principal.tenant_id, name)
     timeout_ms = body.timeout_ms or float(view.policy.timeout_ms)
     result = await gateway.predict(
@@ -116,7 +114,7 @@ def replicas(
     principal: PrincipalDep,
 ) -> dict[str, Any]:
     deployment = deployments.get(session, principal.tenant_id, name)
-    gateway = _gateway(request)
+    gateway = gateway_of(request)
     key = (deployment.tenant_id, deployment.name)
     events = [e for e in gateway.controller.events if (e["tenant_id"], e["deployment"]) == key]
     return {"deployment": name, "replicas": gateway.controller.replicas_of(key), "events": events}

@@ -32,6 +32,11 @@ class ReplicaBackend(ABC):
         """Start a replica for ``spec`` (a VersionSpec dict), or a standby process (None).
         Returns at once; readiness is observed through the replica's ``/readyz``."""
 
+    def standby_can_run(self, spec: dict[str, Any]) -> bool:
+        """Whether a standby process (generic runtime) can take ``spec`` (its engine's
+        runtime may live elsewhere, e.g. vLLM in its own environment)."""
+        return True
+
     @abstractmethod
     def exited(self, handle: ReplicaHandle) -> int | None:
         """The exit status if the replica's process is gone, else None."""

@@ -42,7 +42,7 @@ class LocalProcessBackend(ReplicaBackend):
     def launch(self, spec: dict[str, Any] | None, options: LaunchOptions) -> ReplicaHandle:
         replica_id = uuid.uuid4().hex[:10]
         port = _free_port()
-        exe = Path(sys.executable).with_name("ember")
+        exe = self.executable(spec)
         cmd = [str(exe), "engine", "--port", str(port), "--replica-id", replica_id,
                "--max-batch-size", str(options.max_batch_size),
                "--max-queue-delay-ms", str(options.max_queue_delay_ms),
@@ -60,6 +60,21 @@ class LocalProcessBackend(ReplicaBackend):
         self.procs[replica_id] = proc
         return ReplicaHandle(replica_id, f"http://127.0.0.1:{port}", proc.pid, port,
                              {"log": str(log_path)})  # fmt: skip
+
+    def executable(self, spec: dict[str, Any] | None) -> Path:
+        """The ``ember`` that runs ``spec``: vLLM versions run in vLLM's own environment
+        (``EMBER_VLLM_EXECUTABLE``, else ``.venv-vllm/bin/ember`` beside this virtualenv
+        when it exists), everything else — and standby processes — in this one."""
+        own = Path(sys.executable).with_name("ember")
+        if spec is None or spec.get("engine") != "vllm":
+            return own
+        if self.settings.vllm_executable is not None:
+            return self.settings.vllm_executable
+        beside = Path(sys.prefix).parent / ".venv-vllm" / "bin" / "ember"
+        return beside if beside.exists() else own
+
+    def standby_can_run(self, spec: dict[str, Any]) -> bool:
+        return self.executable(spec) == self.executable(None)
 
     def exited(self, handle: ReplicaHandle) -> int | None:
         proc = self.procs.get(handle.replica_id)
