@@ -36,6 +36,13 @@ class EngineMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.queue_time = Histogram(
+            "ember_queue_seconds",
+            "Time a request waited before its forward pass began",
+            [*names, "priority"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.forward_passes = Counter("ember_forward_passes", "Forward passes", names, registry=r)
         self.inferences = Counter("ember_inferences", "Instances inferred", names, registry=r)
         self.rejected = Counter(

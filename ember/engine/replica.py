@@ -84,14 +84,18 @@ class Replica:
             )
 
     async def infer(
-        self, instances: list[Any], priority: Priority, timeout_ms: float | None
+        self,
+        instances: list[Any],
+        priority: Priority,
+        timeout_ms: float | None,
+        timing: dict[str, float] | None = None,
     ) -> list[Any]:
         engine = self._require_engine()
         if engine.tier is not Tier.hot or self.scheduler is None:
             raise NotReady(
                 f"replica is {engine.tier.value}; promote it to hot first", tier=engine.tier.value
             )
-        return await self.scheduler.submit(instances, priority, timeout_ms)
+        return await self.scheduler.submit(instances, priority, timeout_ms, timing)
 
     async def probe(self) -> None:
         """A tiny real forward pass at health priority (jumps every queue)."""

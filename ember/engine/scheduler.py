@@ -35,6 +35,7 @@ class Item:
     deadline: float
     future: asyncio.Future[Any]
     enqueued: float = field(default_factory=time.monotonic)
+    dispatched: float = 0.0
 
 
 class Scheduler:
@@ -46,14 +47,23 @@ class Scheduler:
         self.inflight_units = 0.0
         self._wakeup = asyncio.Event()
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="ember-forward")
+        self._gap_s = float("inf")  # EWMA of the time between arrivals (requests, not probes)
+        self._last_arrival: float | None = None
         self._task: asyncio.Task[None] | None = None
 
     # --- submission -----------------------------------------------------------------
 
     async def submit(
-        self, instances: Sequence[Any], priority: Priority, timeout_ms: float | None = None
+        self,
+        instances: Sequence[Any],
+        priority: Priority,
+        timeout_ms: float | None = None,
+        timing: dict[str, float] | None = None,
     ) -> list[Any]:
-        """Outputs for ``instances`` in order; raises a typed ``EmberError`` otherwise."""
+        """Outputs for ``instances`` in order; raises a typed ``EmberError`` otherwise.
+
+        ``timing``, if given, receives ``queue_s``: how long the request's instances waited
+        before their forward pass began (the longest of them)."""
         sized = [self._admit_one(value) for value in instances]
         queue = self.queues[priority]
         if priority is not Priority.health and len(queue) + len(sized) > self.policy.max_queue:
@@ -68,7 +78,10 @@ class Scheduler:
             )
         timeout_s = (timeout_ms or self.policy.default_timeout_ms) / 1000
         loop = asyncio.get_running_loop()
-        deadline = time.monotonic() + timeout_s
+        now = time.monotonic()
+        deadline = now + timeout_s
+        if priority is not Priority.health:
+            self._arrived(now)
         items = [Item(s, priority, deadline, loop.create_future()) for s in sized]
         queue.extend(items)
         self._account(priority, sum(self._units(i) for i in items))
@@ -90,7 +103,19 @@ class Scheduler:
         self.metrics.latency.labels(**self.metrics.labels, priority=priority.label).observe(
             time.monotonic() - started
         )
+        queue_s = max(i.dispatched - i.enqueued for i in items)
+        self.metrics.queue_time.labels(**self.metrics.labels, priority=priority.label).observe(
+            queue_s
+        )
+        if timing is not None:
+            timing["queue_s"] = queue_s
         return list(results)
+
+    def _arrived(self, now: float) -> None:
+        if self._last_arrival is not None:
+            gap = now - self._last_arrival
+            self._gap_s = gap if self._gap_s == float("inf") else 0.8 * self._gap_s + 0.2 * gap
+        self._last_arrival = now
 
     def _admit_one(self, value: Any) -> Sized:
         sized = self.engine.prepare(value)
@@ -144,7 +169,9 @@ class Scheduler:
                 await self._dispatch(batch)
 
     async def _wait_for_batch(self) -> None:
-        """Return when a batch should go: full, oldest waited long enough, or a probe."""
+        """Return when a batch should go: full, oldest waited long enough, a probe — or
+        when the next arrival is not expected within the remaining delay (waiting would
+        only add latency: a lone request at light load goes at once)."""
         while True:
             self._drop_dead()
             head = self._oldest()
@@ -152,7 +179,8 @@ class Scheduler:
                 full = self.queued >= self.policy.max_batch_size
                 waited = time.monotonic() - head.enqueued
                 delay = self.policy.max_queue_delay_ms / 1000
-                if full or head.priority is Priority.health or waited >= delay:
+                lone = delay - waited < self._gap_s
+                if full or head.priority is Priority.health or waited >= delay or lone:
                     return
                 timeout: float | None = delay - waited
             else:
@@ -192,13 +220,16 @@ class Scheduler:
     def _take_batch(self) -> list[Item]:
         batch: list[Item] = []
         units = 0
+        now = time.monotonic()
         for priority in Priority:  # highest class first
             queue = self.queues[priority]
             while queue and len(batch) < self.policy.max_batch_size:
                 size = queue[0].sized.input_size
                 if batch and units + size > self.policy.max_batch_units:
                     return batch
-                batch.append(queue.popleft())
+                item = queue.popleft()
+                item.dispatched = now
+                batch.append(item)
                 units += size
             self.metrics.depth(priority, len(queue))
         return batch

@@ -75,8 +75,10 @@ def create_replica_app(replica: Replica, spec: VersionSpec | None) -> FastAPI:
             raise InvalidInput(str(exc)) from exc
         if priority is Priority.health:
             raise InvalidInput("the health class is reserved for probes")
-        outputs = await replica.infer(body.instances, priority, body.timeout_ms)
+        timing: dict[str, float] = {}
+        outputs = await replica.infer(body.instances, priority, body.timeout_ms, timing)
         response.headers.update(headers())
+        response.headers["X-Ember-Queue-Ms"] = f"{timing.get('queue_s', 0.0) * 1000:.3f}"
         assert replica.spec is not None
         return {"predictions": outputs, "model": replica.spec.model,
                 "version": replica.spec.version}  # fmt: skip

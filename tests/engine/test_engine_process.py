@@ -39,6 +39,20 @@ def test_concurrent_requests_are_batched(
     )
 
 
+def test_a_lone_request_does_not_wait_for_a_batch(
+    start_engine: StartEngine, mlp_spec: dict[str, Any]
+) -> None:
+    """When requests arrive further apart than the batching delay, nothing else is
+    expected within it: the batcher sends a lone request at once instead of holding it
+    for the whole delay (here 3 s)."""
+    engine = start_engine(mlp_spec, "--max-batch-size", "64", "--max-queue-delay-ms", "3000")
+    for _ in range(2):
+        started = time.monotonic()
+        assert infer(engine.url).status_code == 200
+        assert time.monotonic() - started < 2.0  # not held for the 3 s delay
+        time.sleep(3.5)  # light load: arrivals further apart than the delay
+
+
 def test_health_probe_jumps_a_full_queue_and_overflow_is_429(
     start_engine: StartEngine, slow_spec: dict[str, Any]
 ) -> None:
