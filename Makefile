@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: up test lint typecheck unit system-deps venv vllm-venv clean bench-loader bench-engine
+.PHONY: up test lint typecheck unit system-deps venv vllm-venv clean bench-loader bench-engine bench-serving bench-jobs
 
 ## up: install, start a local Redis if EMBER_REDIS_URL is unset, run Ember on :8000
 up: venv system-redis
@@ -60,6 +60,16 @@ bench-loader: venv
 bench-engine: venv
 	@command -v wrk >/dev/null || { apt-get update -qq && $(APT_INSTALL) wrk; }
 	$(PY) bench/engine.py
+
+# Ember's online path vs PyTriton, TorchServe, BentoML, Ray Serve, KServe, FastAPI; each
+# peer gets its own venv under bench/.peers on first use. ARGS="--peers fastapi --seconds 10"
+bench-serving: venv
+	@command -v wrk >/dev/null || { apt-get update -qq && $(APT_INSTALL) wrk; }
+	$(PY) bench/serving.py $(ARGS)
+
+# The async queue: jobs/s per worker count and added latency vs online. ARGS="--workers 4"
+bench-jobs: venv system-redis
+	$(PY) bench/jobs.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

@@ -100,6 +100,28 @@ class Settings(BaseSettings):
     """Each tenant's burst allowance in model units."""
     retry_budget_ratio: float = Field(0.1, ge=0, le=1)
     """Retries allowed per request on average (0.1: at most ~10 % of requests retried)."""
+    vllm_executable: Path | None = None
+    """The ``ember`` executable that runs vLLM replicas (a virtualenv with vLLM). Unset:
+    ``.venv-vllm/bin/ember`` beside the API's virtualenv if it exists, else the API's own."""
+    response_cache_entries: int = Field(4096, ge=0, le=10_000_000)
+    """Entries of the in-process front of the response cache (Redis holds the rest);
+    0 keeps every entry in Redis only."""
+    response_cache_max_bytes: int = Field(1024 * 1024, ge=1024, le=64 * 1024 * 1024)
+    """Largest answer the response cache stores; bigger ones are served but not cached."""
+    ladder_reserve: float = Field(0.25, ge=0, lt=1)
+    """Share of a request's deadline kept back for the fallback version when a deployment
+    has one (the model rung gets the rest)."""
+    prediction_log_url: str | None = None
+    """Where the prediction log goes: ``file:///dir`` (JSONL files rotated hourly and by
+    size), ``s3://bucket/prefix`` (one object per window) or ``off``.
+    Default: ``file://<data_dir>/predictions``."""
+    prediction_log_backlog: int = Field(100_000, ge=1, le=10_000_000)
+    """Records the prediction log holds while its sink is slow or down; beyond this it
+    drops (counted in ``ember_prediction_log_dropped_total``), never blocks a request."""
+    prediction_log_window_s: float = Field(60.0, gt=0, le=3600)
+    """How often the prediction log flushes (one S3 object per window)."""
+    prediction_log_file_bytes: int = Field(256 * 1024 * 1024, ge=4096)
+    """A prediction log file rolls over at this size (and every hour)."""
 
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Lowest level logged."""
@@ -127,6 +149,75 @@ class Settings(BaseSettings):
     """Read pages that are not in the page cache with O_DIRECT (where the filesystem
     allows it); resident pages are always read through the page cache."""
 
+    # --- async jobs (ember/jobs) ---
+    jobs_api_url: str | None = None
+    """Base URL where job workers call the gateway's data plane. Default:
+    ``http://<host>:<port>`` (``127.0.0.1`` when the API binds every address)."""
+    jobs_api_key: SecretStr | None = None
+    """Admin key job workers send, acting for each job's tenant (``X-Ember-Tenant``).
+    ``ember up`` mints one for the worker it runs; set it for workers on other hosts."""
+    jobs_worker_concurrency: int = Field(4, ge=1, le=256)
+    """Jobs one ``ember worker`` process runs at once (threads; the work is HTTP calls)."""
+    jobs_max_attempts: int = Field(5, ge=1, le=100)
+    """Attempts per job on transient errors (5xx, replica unreachable, worker lost)
+    before it fails with every attempt's error."""
+    jobs_max_deferrals: int = Field(1000, ge=1)
+    """Times a job may be shed (429: online traffic goes first) and re-queued before it
+    fails; deferrals do not count as attempts."""
+    jobs_retry_base_s: float = Field(1.0, gt=0, le=600)
+    """First backoff of a job (or webhook) retry; doubles per attempt (full jitter)."""
+    jobs_retry_max_backoff_s: float = Field(60.0, gt=0, le=3600)
+    """Cap of one job (or webhook) retry backoff."""
+    jobs_timeout_s: float = Field(600.0, gt=0, le=86_400)
+    """Longest one attempt of a job may run; the attempt fails (and is retried) beyond."""
+    jobs_visibility_timeout_s: float = Field(3600.0, gt=0)
+    """Redis visibility timeout: an unacknowledged job message is redelivered after this.
+    Must exceed ``EMBER_JOBS_TIMEOUT_S``."""
+    jobs_lease_s: float = Field(30.0, ge=1, le=3600)
+    """A running job's lease, renewed by its worker; a job whose lease ran out (worker
+    killed or hung) is taken over by another attempt."""
+    jobs_sweep_interval_s: float = Field(5.0, gt=0, le=600)
+    """How often a worker re-publishes lost job messages, takes over expired leases and
+    purges expired results."""
+    jobs_republish_after_s: float = Field(300.0, gt=0)
+    """A queued job whose message was published this long ago without being picked up is
+    published again (a safety net; duplicates are harmless)."""
+    jobs_chunk_instances: int = Field(64, ge=1, le=10_000)
+    """Instances per data-plane call a worker makes for a job (at most half the
+    deployment's ``max_batch_size``, so the async class fits beside online traffic)."""
+    jobs_inline_result_max_bytes: int = Field(64 * 1024, ge=0, le=16 * 1024 * 1024)
+    """Results up to this size are kept in the registry; larger ones go to the object
+    store under ``job-results/<tenant>/<model>/<version>/<job>/``."""
+    jobs_max_input_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    """Largest ``input_uri`` object a job may name."""
+    jobs_result_ttl_s: float = Field(7 * 86_400.0, gt=0)
+    """How long a finished job's result and inputs are kept; then they are purged."""
+    jobs_tenant_max_queued_units: float = Field(1_000_000.0, gt=0)
+    """Model units of unfinished jobs a tenant may have; submissions beyond get 429."""
+    jobs_tenant_max_queued_jobs: int = Field(10_000, ge=1)
+    """Unfinished jobs a tenant may have; submissions beyond get 429."""
+    jobs_webhook_allow_private: bool = False
+    """Allow webhooks to loopback, private, link-local and other non-public addresses
+    (off: such URLs are refused, SSRF)."""
+    jobs_webhook_max_attempts: int = Field(8, ge=1, le=100)
+    """Deliveries tried per webhook (backoff between them) before it is marked failed."""
+    jobs_webhook_timeout_s: float = Field(10.0, gt=0, le=300)
+    """Timeout of one webhook delivery."""
+
+    # --- batch scoring (ember/batch) ---
+    batch_lease_s: float = Field(30.0, ge=1, le=3600)
+    """A worker's lease on a batch shard, renewed after every scored batch; an expired
+    lease (the worker died) lets another worker take the shard over."""
+    batch_sweep_interval_s: float = Field(5.0, gt=0, le=600)
+    """How often each worker republishes batch shards whose lease expired or whose
+    message was lost."""
+    batch_beat_interval_s: float = Field(10.0, gt=0, le=600)
+    """How often ``ember beat`` reads the schedules and fires those that are due."""
+    batch_max_files: int = Field(10_000, ge=1)
+    """Input files one batch run may match."""
+    batch_max_attempts: int = Field(5, ge=1, le=100)
+    """Attempts per shard before the shard (and its run) fails."""
+
     @field_validator("file_roots", "s3_allowed_buckets", mode="before")
     @classmethod
     def _csv(cls, value: object) -> object:
@@ -142,6 +233,18 @@ class Settings(BaseSettings):
             raise ValueError("EMBER_ADMIN_KEY must be at least 16 characters and not a default")
         return value
 
+    @field_validator("prediction_log_url")
+    @classmethod
+    def _log_scheme(cls, value: str | None) -> str | None:
+        if value is None or value == "off":
+            return value
+        parsed = urlparse(value)
+        if parsed.scheme not in ("file", "s3") or (parsed.scheme == "s3" and not parsed.netloc):
+            raise ValueError(
+                "EMBER_PREDICTION_LOG_URL must be file:///dir, s3://bucket/prefix or off"
+            )
+        return value
+
     @field_validator("object_store_url")
     @classmethod
     def _store_scheme(cls, value: str | None) -> str | None:
@@ -150,6 +253,23 @@ class Settings(BaseSettings):
         if value is not None and value.startswith("s3://") and not urlparse(value).netloc:
             raise ValueError("EMBER_OBJECT_STORE_URL s3:// URL needs a bucket")
         return value
+
+    @field_validator("jobs_api_url")
+    @classmethod
+    def _jobs_api_scheme(cls, value: str | None) -> str | None:
+        if value is not None and urlparse(value).scheme not in ("http", "https"):
+            raise ValueError("EMBER_JOBS_API_URL must be an http:// or https:// URL")
+        return value
+
+    @model_validator(mode="after")
+    def _jobs_redelivery_after_timeout(self) -> Settings:
+        # A message redelivered while its first attempt still runs would double the work.
+        if self.jobs_visibility_timeout_s <= self.jobs_timeout_s:
+            raise ValueError(
+                "EMBER_JOBS_VISIBILITY_TIMEOUT_S must exceed EMBER_JOBS_TIMEOUT_S "
+                f"({self.jobs_visibility_timeout_s:g} <= {self.jobs_timeout_s:g})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _absolute_paths(self) -> Settings:
@@ -169,6 +289,10 @@ class Settings(BaseSettings):
     @property
     def store_url(self) -> str:
         return self.object_store_url or (self.data_dir / "objects").as_uri()
+
+    @property
+    def prediction_log_target(self) -> str:
+        return self.prediction_log_url or (self.data_dir / "predictions").as_uri()
 
     @property
     def weight_cache_dir(self) -> Path:
