@@ -13,6 +13,7 @@ import ember
 from ember.api import problems
 from ember.api.deps import PrincipalCache
 from ember.api.middleware import BodyLimit, JsonBodies, RequestContext
+from ember.api.routes import batch as batch_routes
 from ember.api.routes import deployments, health, jobs, models, openai, predict, tenants, v2
 from ember.config import Settings
 from ember.jobs import demand as jobs_demand
@@ -71,8 +72,10 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.principals = PrincipalCache()
     problems.install(app)
-    for module in (health, tenants, models, deployments, predict, v2, openai, jobs):
+    # The data plane first: its routes are matched on every request.
+    for module in (predict, v2, openai, health, tenants, models, deployments, jobs):
         app.include_router(module.router)
+    app.include_router(batch_routes.router)
     app.add_middleware(JsonBodies)
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
     app.add_middleware(RequestContext)

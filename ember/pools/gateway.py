@@ -82,7 +82,8 @@ class ReplicaAnswer:
 
 @dataclass
 class Prediction:
-    body: dict[str, Any]
+    parsed: dict[str, Any] | None
+    """The answer, or None while only ``content`` (the replica's JSON bytes) is known."""
     version: str
     replica_id: str
     deployment: str
@@ -92,6 +93,15 @@ class Prediction:
     cache: str = "off"
     """Response cache outcome: hit | coalesced | miss | stale | off."""
     hedged: bool = False
+    content: bytes | None = None
+    """The replica's answer as it came (``{"predictions", "model", "version"}``): routes that
+    answer in that shape send these bytes on without decoding and re-encoding them."""
+
+    @property
+    def body(self) -> dict[str, Any]:
+        if self.parsed is None:
+            self.parsed = json.loads(self.content or b"{}")
+        return self.parsed
 
 
 def degradable(exc: BaseException) -> bool:
@@ -465,7 +475,13 @@ class Gateway:
                 queue_ms = float(response.headers["x-ember-queue-ms"])
                 metrics.queue_time.labels(view.name, chosen).observe(queue_ms / 1000)
             return Prediction(
-                response.json(), chosen, route.replica_id, view.name, attempts, hedged=hedged
+                None,
+                chosen,
+                route.replica_id,
+                view.name,
+                attempts,
+                hedged=hedged,
+                content=response.content,
             )
 
     async def _send(
@@ -566,7 +582,7 @@ class Gateway:
             input_value={"i": instances, "p": params or {}},
             input_digest=input_digest,
             payload_input=instances,
-            output_value=result.body if result else None,
+            output_value=(result.content or result.body) if result else None,
             instances=len(instances),
             rung=result.rung if result else None,
             cache=result.cache if result else None,
@@ -630,7 +646,8 @@ class Gateway:
             record["error"] = error
         if view.policy.log_payloads:
             record["input"] = input_value if payload_input is None else payload_input
-            record["output"] = output_value
+            is_bytes = isinstance(output_value, bytes)
+            record["output"] = json.loads(output_value) if is_bytes else output_value
         self.predictions.record(record)
 
     async def close(self) -> None:

@@ -16,6 +16,7 @@ produced them is never failed or slowed down by the log.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -36,7 +37,8 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 DEFERRED_DIGESTS = "_digest"
 """A record may carry ``{field: value}`` under this key: the writer stores
-``field = sha256(canonical JSON of value)``, so hashing stays off the request's path."""
+``field = sha256(canonical JSON of value)`` (``value`` may be JSON bytes), so decoding and
+hashing stay off the request's path."""
 
 
 class Sink(Protocol):
@@ -106,6 +108,16 @@ def open_sink(url: str, settings: Settings) -> Sink | None:
     return FileSink(Path(parsed.path), settings.prediction_log_file_bytes)
 
 
+def _digest(value: Any) -> str:
+    """sha256 of the canonical JSON of ``value`` (JSON bytes are decoded first)."""
+    if isinstance(value, bytes):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return hashlib.sha256(value).hexdigest()
+    return digest(value)
+
+
 class PredictionLog:
     def __init__(self, sink: Sink | None, *, backlog: int = 100_000, window_s: float = 60.0):
         self.sink = sink
@@ -160,7 +172,7 @@ class PredictionLog:
             while self.records:
                 record = self.records.popleft()
                 for field, value in record.pop(DEFERRED_DIGESTS, {}).items():
-                    record[field] = digest(value)
+                    record[field] = _digest(value)
                 line = json.dumps(record, separators=(",", ":"), default=str)
                 lines.append(line.encode() + b"\n")
             if not lines:

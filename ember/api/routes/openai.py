@@ -154,8 +154,9 @@ def _text_size(value: Any, depth: int = 0) -> int:
 
 
 def _headers(response: Response, view: DeploymentView, opened: Opened) -> None:
-    served = Prediction(body={}, version=opened.version, replica_id=opened.replica_id,
-                        deployment=view.name, attempts=opened.attempts)  # fmt: skip
+    served = Prediction(
+        {}, opened.version, opened.replica_id, view.name, opened.attempts, cache="off"
+    )
     set_prediction_headers(response, served)
 
 

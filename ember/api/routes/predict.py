@@ -62,7 +62,7 @@ async def _predict(
     body: PredictRequest,
     version: str | None,
     session_key: str | None,
-) -> PredictResponse:
+) -> PredictResponse | Response:
     gateway = gateway_of(request)
     try:
         priority = Priority.requested(body.priority)
@@ -73,13 +73,21 @@ async def _predict(
     result = await gateway.predict(
         view, principal.tenant, body.instances, priority, timeout_ms, session_key, version
     )
+    if result.content is not None:  # the replica's bytes are already this route's answer
+        answer = Response(result.content, media_type="application/json")
+        set_prediction_headers(answer, result)
+        return answer
     set_prediction_headers(response, result)
     return PredictResponse(
         predictions=result.body["predictions"], model=view.model, version=result.version
     )
 
 
-@router.post("/v1/models/{name}:predict", summary="Predict with the deployed version(s)")
+@router.post(
+    "/v1/models/{name}:predict",
+    summary="Predict with the deployed version(s)",
+    response_model=PredictResponse,
+)
 async def predict(
     name: ModelName,
     body: PredictRequest,
@@ -87,13 +95,17 @@ async def predict(
     response: Response,
     principal: PrincipalDep,
     x_ember_session: Annotated[str | None, Header(max_length=256)] = None,
-) -> PredictResponse:
+) -> PredictResponse | Response:
     """Routed by the deployment's traffic weights (canary); `X-Ember-Session` keeps a
     session on one replica while it is not overloaded."""
     return await _predict(request, response, principal, name, body, None, x_ember_session)
 
 
-@router.post("/v1/models/{name}/versions/{version}:predict", summary="Predict with one version")
+@router.post(
+    "/v1/models/{name}/versions/{version}:predict",
+    summary="Predict with one version",
+    response_model=PredictResponse,
+)
 async def predict_version(
     name: ModelName,
     version: VersionRef,
@@ -102,7 +114,7 @@ async def predict_version(
     response: Response,
     principal: PrincipalDep,
     x_ember_session: Annotated[str | None, Header(max_length=256)] = None,
-) -> PredictResponse:
+) -> PredictResponse | Response:
     return await _predict(request, response, principal, name, body, version, x_ember_session)
 
 
