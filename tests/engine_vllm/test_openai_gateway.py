@@ -2,8 +2,8 @@
 like any model, its vLLM replica started by the pools controller, and the official
 ``openai`` client calling ``/openai/v1`` on the gateway — plain, streamed, with usage.
 
-The API process runs from ``.venv-vllm`` (``ember serve``), so the replicas it launches
-(``ember engine`` beside its interpreter) can import vLLM, as they would on a GPU host.
+The API process runs from the main virtualenv (no vLLM there, as after ``make up``); the
+local backend starts the vLLM version's replica with ``.venv-vllm/bin/ember`` beside it.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ openai = pytest.importorskip("openai", reason="pip install openai (the client si
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_EMBER = ROOT / ".venv-vllm" / "bin" / "ember"
+MAIN_EMBER = Path(sys.executable).with_name("ember")
 START_TIMEOUT_S = float(os.environ.get("EMBER_TEST_VLLM_START_S", "300"))
 ADMIN_KEY = "ek_test-openai-gateway-0123456789"
 AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -90,7 +91,7 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
             "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}  # fmt: skip
     log = root / "api.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen([str(VLLM_EMBER), "serve"], cwd=ROOT, env=env, stdout=out,
+        proc = subprocess.Popen([str(MAIN_EMBER), "serve"], cwd=ROOT, env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     admin = httpx.Client(base_url=url, headers=AUTH, timeout=60)
