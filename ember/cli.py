@@ -111,9 +111,14 @@ def up() -> None:
 
     worker = supervise(settings, prepared[0], redis_url)  # restarted whenever it dies
     print(f"worker:   pid {worker.proc.pid if worker.proc else '?'} (`ember worker`, supervised)")
+    from ember.batch.beat import supervise as supervise_beat
+
+    beat = supervise_beat(settings, redis_url)  # fires batch schedules
+    print(f"beat:     pid {beat.proc.pid if beat.proc else '?'} (`ember beat`, supervised)")
     try:
         _run_api(settings, reload=False, prepared=prepared)
     finally:
+        beat.stop()
         worker.stop()
 
 
@@ -211,6 +216,7 @@ from ember.cli_models import deployments_app, models_app  # noqa: E402
 
 app.add_typer(models_app, name="models")
 app.add_typer(deployments_app, name="deployments")
+import ember.cli_batch  # noqa: E402 - registers `ember batch`, `ember beat`
 import ember.cli_engine  # noqa: E402,F401 - registers `ember engine`, `ember calibrate`
 from ember import cli_jobs  # noqa: E402,F401 - registers `ember jobs`, `ember worker`
 

@@ -206,8 +206,8 @@ class Settings(BaseSettings):
 
     # --- batch scoring (ember/batch) ---
     batch_lease_s: float = Field(30.0, ge=1, le=3600)
-    """A worker's lease on a batch shard, renewed after every scored batch; an expired
-    lease (the worker died) lets another worker take the shard over."""
+    """A worker's lease on a batch shard, renewed in the background while it runs; an
+    expired lease (the worker died) lets another worker take the shard over."""
     batch_sweep_interval_s: float = Field(5.0, gt=0, le=600)
     """How often each worker republishes batch shards whose lease expired or whose
     message was lost."""

@@ -1,0 +1,211 @@
+"""The batch regime: rows/s of a batch run vs (a) a naive loop calling the online
+endpoint row by row and (b) the engine's own max batched throughput.
+
+One ``ember serve`` (pools on, one hot replica of the MLP example, ``--batch`` rows per
+forward pass), a private Redis and one ``ember worker`` (``--concurrency`` threads). On
+the same replica:
+
+- **row by row**: ``--row-calls`` sequential ``POST /v1/models/mlp:predict`` calls, one
+  instance each (what a naive nightly script does);
+- **engine max**: ``POST /infer`` straight to the replica with full batches of
+  ``--batch`` instances, from ``--streams`` concurrent clients (no gateway, no queue);
+- **gateway max**: the same full batches through the gateway's ``:predict`` at the
+  ``batch`` priority, one at a time (what admission lets the batch class have in
+  flight): the data-plane ceiling the workers are under;
+- **batch run**: ``POST /v1/batch/runs`` over a JSONL file of ``--rows`` rows, shards of
+  ``--shard-rows``, ``--parallel`` shards at once; rows / (finished_at - started_at),
+  which includes planning, reading the input and writing the Parquet output.
+
+Side by side; the last line is one JSON object with ``batch_vs_engine_max`` and
+``batch_vs_row_by_row``.
+
+    python bench/batch.py [--rows 20000] [--batch 64] [--parallel 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.jobs import EMBER, spawn, start_redis, stop  # noqa: E402
+from tests.services import free_port, wait_until  # noqa: E402
+
+KEY = "ek_bench-batch-admin-key-0123456789"
+X = [0.5] * 256
+
+
+def row_by_row(client: httpx.Client, calls: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        client.post("/v1/models/mlp:predict", json={"instances": [X]}).raise_for_status()
+    return calls / (time.perf_counter() - t0)
+
+
+def engine_max(url: str, batch: int, streams: int, calls: int) -> float:
+    body = {"instances": [X] * batch, "priority": "batch"}
+
+    def stream(_: int) -> int:
+        with httpx.Client(base_url=url, timeout=120) as http:
+            for _ in range(calls):
+                http.post("/infer", json=body).raise_for_status()
+        return calls * batch
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(streams) as pool:
+        rows = sum(pool.map(stream, range(streams)))
+    return rows / (time.perf_counter() - t0)
+
+
+def gateway_max(client: httpx.Client, batch: int, calls: int) -> float:
+    """Full batches through the gateway (``:predict``, batch priority), one at a time:
+    admission holds batch work to about one full batch per replica in flight, so this is
+    the data-plane ceiling a batch run's workers are under."""
+    body = {"instances": [X] * batch, "priority": "batch"}
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        client.post("/v1/models/mlp/versions/1:predict", json=body).raise_for_status()
+    return calls * batch / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=20_000)
+    parser.add_argument("--shard-rows", type=int, default=2_000)
+    parser.add_argument("--parallel", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=64, help="max_batch_size")
+    parser.add_argument("--concurrency", type=int, default=4, help="Worker threads.")
+    parser.add_argument("--row-calls", type=int, default=300)
+    parser.add_argument("--streams", type=int, default=4, help="Clients for engine max.")
+    args = parser.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="ember-bench-batch-"))
+    redis_proc, redis_url = start_redis(tmp)
+    port = free_port()
+    base = {k: v for k, v in os.environ.items() if not k.startswith("EMBER_")}
+    env = base | {
+        "EMBER_DATA_DIR": str(tmp / "data"),
+        "EMBER_ADMIN_KEY": KEY,
+        "EMBER_PORT": str(port),
+        "EMBER_REDIS_URL": redis_url,
+        "EMBER_STANDBY_REPLICAS": "0",
+        "EMBER_LOG_LEVEL": "WARNING",
+        "EMBER_JOBS_API_KEY": KEY,
+        "EMBER_JOBS_WORKER_CONCURRENCY": str(args.concurrency),
+    }
+    procs = [spawn([EMBER, "serve"], env, tmp / "api.log")]
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: httpx.get(f"{url}/healthz").status_code == 200, 60, "ember serve")
+        client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+        from ember.engine.examples.mlp import ENGINE_CONFIG, INPUT_SCHEMA, build_mlp_artifact
+
+        artifact = build_mlp_artifact(tmp / "data" / "objects" / "mlp" / "model.safetensors")
+        client.post("/v1/models", json={"name": "mlp"}).raise_for_status()
+        client.post(
+            "/v1/models/mlp/versions",
+            json={
+                "version": "1",
+                "artifact_uri": artifact.as_uri(),
+                "engine": "torch",
+                "engine_config": ENGINE_CONFIG,
+                "input_schema": INPUT_SCHEMA,
+            },
+        ).raise_for_status()
+        client.post(
+            "/v1/deployments",
+            json={"model": "mlp", "version": "1", "max_replicas": 1, "max_batch_size": args.batch},
+        ).raise_for_status()
+
+        def ready() -> bool:
+            replicas = client.get("/v1/deployments/mlp/replicas").json()["replicas"]
+            return any(r["state"] == "ready" for r in replicas)
+
+        wait_until(ready, 180, "the mlp replica")
+        replica = next(
+            r["url"]
+            for r in client.get("/v1/deployments/mlp/replicas").json()["replicas"]
+            if r["state"] == "ready"
+        )
+        worker_log = tmp / "worker.log"
+        procs.append(spawn([EMBER, "worker"], env | {"EMBER_LOG_LEVEL": "INFO"}, worker_log))
+        wait_until(lambda: b"ready" in worker_log.read_bytes(), 60, "the worker")
+
+        row_by_row(client, 20)  # warm-up
+        rr = row_by_row(client, args.row_calls)
+        engine_max(replica, args.batch, args.streams, 5)  # warm-up
+        em = engine_max(replica, args.batch, args.streams, max(10, args.rows // args.batch // 4))
+        gm = gateway_max(client, args.batch, max(10, args.rows // args.batch // 4))
+
+        data = tmp / "data" / "objects" / "batch" / "in.jsonl"
+        data.parent.mkdir(parents=True, exist_ok=True)
+        line = json.dumps({"features": X})[1:]
+        data.write_text("".join(f'{{"id": {i}, {line}\n' for i in range(args.rows)))
+        spec = {
+            "model": "mlp",
+            "input_uri": data.as_uri(),
+            "output_uri": (tmp / "data" / "objects" / "batch" / "out").as_uri(),
+            "shard_rows": args.shard_rows,
+            "max_parallel_shards": args.parallel,
+        }
+        started = client.post("/v1/batch/runs", json={"spec": spec})
+        started.raise_for_status()
+        run_id = started.json()["id"]
+        run: dict[str, object] = {}
+
+        def done() -> bool:
+            nonlocal run
+            run = client.get(f"/v1/batch/runs/{run_id}").json()
+            return run["status"] in ("succeeded", "failed")
+
+        wait_until(done, 1800, "the batch run")
+        if run["status"] != "succeeded":
+            sys.exit(f"the batch run failed: {run}")
+        t0 = datetime.fromisoformat(str(run["started_at"])).timestamp()
+        t1 = datetime.fromisoformat(str(run["finished_at"])).timestamp()
+        br = args.rows / (t1 - t0)
+    finally:
+        stop(procs)
+        redis_proc.terminate()
+        redis_proc.wait(10)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    print(
+        f"\nBatch scoring, MLP example, 1 replica (max_batch_size {args.batch}), "
+        f"{args.rows} rows in shards of {args.shard_rows}, {args.parallel} at once"
+    )
+    header = (
+        f"{'row by row (online)':>20} | {'engine max (/infer)':>20} | "
+        f"{'gateway max (:predict)':>22} | {'batch run':>14}"
+    )
+    print(header)
+    print("-" * len(header))
+    print(f"{rr:>13.1f} rows/s | {em:>13.1f} rows/s | {gm:>15.1f} rows/s | {br:>7.1f} rows/s")
+    summary = {
+        "rows": args.rows,
+        "max_batch_size": args.batch,
+        "row_by_row_rows_per_s": round(rr, 1),
+        "engine_max_rows_per_s": round(em, 1),
+        "gateway_max_rows_per_s": round(gm, 1),
+        "batch_vs_gateway_max": round(br / gm, 3),
+        "batch_rows_per_s": round(br, 1),
+        "batch_vs_engine_max": round(br / em, 3),
+        "batch_vs_row_by_row": round(br / rr, 2),
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
