@@ -57,9 +57,16 @@ class Admission:
         capacity_units: float,
         capacity_units_per_s: float,
         deadline_s: float,
+        queue_units: float | None = None,
     ) -> None:
-        """Raise ``BackPressure`` (429) unless the request may go now."""
-        ceiling = CLASS_CEILING.get(priority, 1.0) * capacity_units
+        """Raise ``BackPressure`` (429) unless the request may go now.
+
+        ``capacity_units`` is what the replicas compute at once (a batch each);
+        ``queue_units`` what they may hold queued and computing (default: the same). Async
+        and batch traffic may fill their share of the latter, so a backlog keeps the
+        replicas busy (a batch waiting behind the one computing) while online traffic keeps
+        the rest of the queue."""
+        ceiling = CLASS_CEILING.get(priority, 1.0) * (queue_units or capacity_units)
         # An idle pool always takes one request of any class: else a small pool (one
         # replica, batch size 1) could never serve async or batch work at all.
         held = inflight_units > 0 and inflight_units + units > ceiling

@@ -561,6 +561,16 @@ class PoolsController:
             and r.route
         ]
 
+    def coming(self, key: tuple[int, str], version: str) -> bool:
+        """Whether a hot replica of ``version`` is on its way (starting, assigned, being
+        promoted) or could be (a warm one the autoscaler promotes on demand)."""
+        return any(
+            r.key == key
+            and r.version == version
+            and (r.state in ("starting", "promoting") or (r.state == "ready" and r.tier == "warm"))
+            for r in self.replicas.values()
+        )
+
     def routable_traffic(self, view: DeploymentView) -> dict[str, int]:
         """The deployment's weights over versions that have a ready replica; while a new
         version loads, the versions still running keep serving."""

@@ -64,6 +64,7 @@ RETRYABLE_STATUS = {429, 503}
 QUEUE_BATCHES = 4
 HEDGE_MIN_SAMPLES = 20
 HEDGE_WINDOW = 256
+WAIT_POLL_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -204,9 +205,11 @@ class Gateway:
             traffic = {version: 1} if version else self.controller.routable_traffic(view)
             chosen = pick_version(traffic, self.rng)
         except NotReady:
-            if not self._has_ladder(view) or view.production is None:
+            if view.production is None:
                 raise
-            chosen = view.production  # nothing ready: straight down the ladder
+            # Nothing ready: the model rung waits for a replica on its way, or the ladder
+            # answers at once.
+            chosen = view.production
         policy = view.policy
         input_digest = None  # computed here only when the cache needs it, else by the log
         if self.cache is not None and (policy.cache_ttl_s > 0 or policy.cache_stale_s > 0):
@@ -368,6 +371,8 @@ class Gateway:
         units = cost.cost(1) * len(instances)
         metrics = self.controller.metrics
         routes = self.controller.routes(key, chosen)
+        if not routes and admit and not self._has_ladder(view):
+            routes = await self._await_replica(key, chosen, units, deadline)
         if not routes:
             raise NotReady(
                 f"version {chosen!r} of {view.name!r} has no ready replica", version=chosen
@@ -378,7 +383,16 @@ class Gateway:
             calibrated = bool(view.specs.get(chosen, {}).get("cost"))
             per_s = len(routes) * cost.capacity_units_per_s if calibrated else float("inf")
             try:
-                self.admission.admit(tenant, units, priority, inflight, capacity, per_s, timeout_s)
+                self.admission.admit(
+                    tenant,
+                    units,
+                    priority,
+                    inflight,
+                    capacity,
+                    per_s,
+                    timeout_s,
+                    queue_units=QUEUE_BATCHES * capacity,
+                )
             except BackPressure:
                 metrics.requests.labels(view.name, chosen, "shed").inc()
                 self.controller.record_demand(key, chosen, units, admitted=False)
@@ -483,6 +497,23 @@ class Gateway:
                 hedged=hedged,
                 content=response.content,
             )
+
+    async def _await_replica(
+        self, key: tuple[int, str], version: str, units: float, deadline: float
+    ) -> list[Route]:
+        """No hot replica yet, but one is starting or can be promoted: wait for it within
+        the deadline (reporting the demand, so a warm replica is promoted) instead of
+        refusing a request that a replica would answer in a moment. A deployment with a
+        degradation ladder degrades at once instead."""
+        if not self.controller.coming(key, version):
+            return []
+        self.controller.record_demand(key, version, units, admitted=False)
+        while time.monotonic() < deadline and self.controller.coming(key, version):
+            await asyncio.sleep(WAIT_POLL_S)
+            routes = self.controller.routes(key, version)
+            if routes:
+                return routes
+        return self.controller.routes(key, version)
 
     async def _send(
         self,

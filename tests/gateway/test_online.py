@@ -194,3 +194,16 @@ def test_a_deployment_takes_a_ready_standby_process(data_dir: Path) -> None:
         assert live.ready("mlp")[0]["replica_id"] == assigned[0]["replica_id"]
         assert live.predict("mlp").status_code == 200
         client.close()
+
+
+def test_a_request_waits_for_a_starting_replica_within_its_deadline(live: Live) -> None:
+    """Right after a deploy nothing is ready yet: a request with a deadline long enough
+    for the cold start waits for the replica instead of being refused."""
+    live.register("mlp", "1")
+    created = live.client.post("/v1/deployments", json={"model": "mlp", "version": "1"})
+    assert created.status_code == 201
+    live.wait(lambda: bool(live.replicas("mlp")), "the controller to start a replica", 30)
+    assert not live.ready("mlp")
+    answer = live.predict("mlp", timeout_ms=120_000)
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-ember-version"] == "1"
