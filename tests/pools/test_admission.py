@@ -11,12 +11,12 @@ from ember.pools.admission import Admission
 
 def test_background_classes_fill_their_share_of_the_queue() -> None:
     """One replica, batch 4, queue of 4 batches (16 units): batch work may keep 8 units
-    in flight (a batch computing and one waiting), async 11.2, online all 16."""
+    in flight (a batch computing and one waiting), async 9.6, online all 16."""
     admission = Admission(units_per_s=1000, burst_units=1000)
     admission.admit("t", 4, Priority.batch, 4, 4, 100, 30, queue_units=16)  # 8 <= 8
     with pytest.raises(BackPressure, match="held back"):
         admission.admit("t", 4, Priority.batch, 8, 4, 100, 30, queue_units=16)
-    admission.admit("t", 4, Priority.async_, 4, 4, 100, 30, queue_units=16)  # 8 <= 11.2
+    admission.admit("t", 4, Priority.async_, 4, 4, 100, 30, queue_units=16)  # 8 <= 9.6
     admission.admit("t", 4, Priority.online, 12, 4, 100, 30, queue_units=16)
 
 
