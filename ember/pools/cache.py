@@ -50,7 +50,8 @@ def cache_key(tenant_id: int, model: str, version: str, sha256: str, input_diges
 
 @dataclass(frozen=True)
 class Entry:
-    body: dict[str, Any]
+    content: bytes
+    """The answer's JSON bytes, as the replica produced them (sent on as they are)."""
     stored_at: float
     fresh_until: float
     stale_until: float
@@ -62,17 +63,19 @@ class Entry:
         return now < self.stale_until
 
     def encode(self) -> bytes:
-        return canonical(
-            {"b": self.body, "s": self.stored_at, "f": self.fresh_until, "u": self.stale_until}
-        )
+        """A JSON line of times, then the answer's bytes."""
+        times = {"s": self.stored_at, "f": self.fresh_until, "u": self.stale_until}
+        return canonical(times) + b"\n" + self.content
 
     @classmethod
     def decode(cls, raw: bytes) -> Entry | None:
+        head, newline, content = raw.partition(b"\n")
         try:
-            data = json.loads(raw)
-            return cls(data["b"], float(data["s"]), float(data["f"]), float(data["u"]))
+            data = json.loads(head)
+            entry = cls(content, float(data["s"]), float(data["f"]), float(data["u"]))
         except (ValueError, KeyError, TypeError):
             return None  # a foreign or corrupt value is a miss, never an answer
+        return entry if newline and content else None
 
 
 @dataclass
@@ -107,7 +110,7 @@ class ResponseCache:
         self.front: OrderedDict[str, Entry] = OrderedDict()
         self.front_entries = front_entries
         self.max_bytes = max_bytes
-        self.flights: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self.flights: dict[str, asyncio.Future[bytes]] = {}
         self.stats = CacheStats()
         self.rng = rng or random.Random()
         self._redis_down_until = 0.0
@@ -132,10 +135,10 @@ class ResponseCache:
         self._remember(key, entry)
         return entry
 
-    async def put(self, key: str, body: dict[str, Any], ttl_s: float, stale_s: float) -> None:
+    async def put(self, key: str, content: bytes, ttl_s: float, stale_s: float) -> None:
         now = time.time()
         ttl = ttl_s * (1 - JITTER * self.rng.random())
-        entry = Entry(body, now, now + ttl, now + ttl + stale_s)
+        entry = Entry(content, now, now + ttl, now + ttl + stale_s)
         raw = entry.encode()
         if len(raw) > self.max_bytes:
             return
@@ -156,15 +159,16 @@ class ResponseCache:
     async def single_flight(
         self,
         key: str,
-        compute: Callable[[], Awaitable[dict[str, Any]]],
+        compute: Callable[[], Awaitable[bytes]],
         *,
         ttl_s: float,
         stale_s: float,
         deadline: float,
-    ) -> tuple[dict[str, Any], bool]:
-        """``compute()``'s answer for ``key``, computed once however many ask at once.
+    ) -> tuple[bytes, bool]:
+        """``compute()``'s answer (JSON bytes) for ``key``, computed once however many ask
+        at once.
 
-        Returns the body and whether it came from another caller's computation. Errors of
+        Returns the answer and whether it came from another caller's computation. Errors of
         the computation reach every waiter; nothing is cached from a failure.
         """
         flight = self.flights.get(key)
@@ -189,11 +193,11 @@ class ResponseCache:
     async def _lead(
         self,
         key: str,
-        compute: Callable[[], Awaitable[dict[str, Any]]],
+        compute: Callable[[], Awaitable[bytes]],
         ttl_s: float,
         stale_s: float,
         deadline: float,
-    ) -> tuple[dict[str, Any], bool]:
+    ) -> tuple[bytes, bool]:
         lock = f"{PREFIX}lock:{key}"
         budget_ms = max(1, int((deadline - time.monotonic()) * 1000))
         acquired = await self._redis_call("set", lock, b"1", nx=True, px=budget_ms)
@@ -205,7 +209,7 @@ class ResponseCache:
                 entry = await self.get(key)
                 if entry is not None and entry.fresh(time.time()):
                     self.stats.coalesced += 1
-                    return entry.body, True
+                    return entry.content, True
                 if not await self._redis_call("exists", lock):
                     break
         self.stats.misses += 1

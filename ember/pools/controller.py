@@ -41,7 +41,7 @@ from ember.pools.router import Route
 from ember.registry import catalog
 from ember.registry.db import session_scope
 from ember.registry.schemas import PoolPolicy
-from ember.registry.tables import Deployment, Model, ModelVersion, VersionStatus
+from ember.registry.tables import BatchRun, Deployment, Model, ModelVersion, VersionStatus
 
 log = get_logger(__name__)
 
@@ -98,6 +98,9 @@ class DeploymentView:
     policy: PoolPolicy
     specs: dict[str, dict[str, Any]]
     fallback: list[str]
+    pinned: list[str] = field(default_factory=list)
+    """Versions that running batch runs were pinned to: served (one hot replica each)
+    until those runs end, even after a promote moved the traffic elsewhere."""
 
     def cost(self, version: str) -> CostModel:
         return CostModel.from_dict(self.specs.get(version, {}).get("cost"))
@@ -200,11 +203,15 @@ class PoolsController:
     def _read_registry(self) -> dict[tuple[int, str], DeploymentView]:
         views: dict[tuple[int, str], DeploymentView] = {}
         with session_scope(self.db) as session:
+            pins: dict[tuple[int, str], set[str]] = {}
+            for run in session.exec(select(BatchRun).where(BatchRun.status == "running")):
+                pins.setdefault((run.tenant_id, run.deployment), set()).add(run.version)
             for d in session.exec(select(Deployment)):
                 model = session.get(Model, d.model_id)
                 if model is None:
                     continue
-                wanted = {v for v, w in d.traffic.items() if w > 0} | set(d.fallback)
+                pinned = pins.get((d.tenant_id, d.name), set())
+                wanted = {v for v, w in d.traffic.items() if w > 0} | set(d.fallback) | pinned
                 rows = session.exec(
                     select(ModelVersion).where(
                         ModelVersion.model_id == model.id,
@@ -224,6 +231,7 @@ class PoolsController:
                     PoolPolicy.model_validate(d.policy),
                     specs,
                     list(d.fallback),
+                    sorted(pinned),
                 )
         return views
 
@@ -339,7 +347,9 @@ class PoolsController:
             else:
                 out[version] = max(1, math.ceil(floor * weight / 100))
             out[version] = min(view.policy.max_replicas, out[version])
-        for version in view.fallback:  # the ladder's fallback rung: one hot replica, ready
+        # The ladder's fallback rung and versions pinned by running batch runs: one hot
+        # replica each, ready.
+        for version in [*view.fallback, *view.pinned]:
             if version in view.specs and version not in out:
                 out[version] = 1
         return out
@@ -582,7 +592,8 @@ class PoolsController:
             r.version
             for r in self.replicas.values()
             if r.key == key and r.state == "ready" and r.tier == "hot"
-        } - (set(view.fallback) - set(view.traffic))  # fallbacks answer only as the ladder
+        } - ((set(view.fallback) | set(view.pinned)) - set(view.traffic))
+        # (fallbacks answer only as the ladder; pinned versions only their runs)
         if running:
             return {v: 1 for v in sorted(running)}
         raise NotReady(f"deployment {view.name!r} has no ready replica yet", deployment=view.name)

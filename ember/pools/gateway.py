@@ -279,12 +279,14 @@ class Gateway:
             if entry is not None and entry.fresh(time.time()):
                 self.cache.stats.hits += 1
                 self.controller.metrics.cache.labels(view.name, "hit").inc()
-                return Prediction(entry.body, chosen, "-", view.name, 0, cache="hit")
+                return Prediction(
+                    None, chosen, "-", view.name, 0, cache="hit", content=entry.content
+                )
             ran: list[Prediction] = []
 
-            async def compute() -> dict[str, Any]:
+            async def compute() -> bytes:
                 ran.append(await model())
-                return ran[0].body
+                return ran[0].content or json.dumps(ran[0].body).encode()
 
             body, shared = await self.cache.single_flight(
                 key,
@@ -297,7 +299,7 @@ class Gateway:
             self.controller.metrics.cache.labels(view.name, outcome).inc()
             if ran:
                 return replace(ran[0], cache=outcome)
-            return Prediction(body, chosen, "-", view.name, 0, cache=outcome)
+            return Prediction(None, chosen, "-", view.name, 0, cache=outcome, content=body)
         except EmberError as exc:
             if not degradable(exc) or not self._has_ladder(view):
                 raise
@@ -326,13 +328,14 @@ class Gateway:
                 fresh = entry.fresh(time.time())
                 self.controller.metrics.cache.labels(view.name, "stale").inc()
                 return Prediction(
-                    entry.body,
+                    None,
                     chosen,
                     "-",
                     view.name,
                     0,
                     rung="cache",
                     cache="hit" if fresh else "stale",
+                    content=entry.content,
                 )
         for version in fallbacks:
             try:

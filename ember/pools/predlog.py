@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 DEFERRED_DIGESTS = "_digest"
 """A record may carry ``{field: value}`` under this key: the writer stores
-``field = sha256(canonical JSON of value)`` (``value`` may be JSON bytes), so decoding and
-hashing stay off the request's path."""
+``field = sha256(value)`` — of the bytes themselves when ``value`` is the answer's JSON
+bytes, else of its canonical JSON — so hashing stays off the request's path."""
 
 
 class Sink(Protocol):
@@ -109,12 +109,9 @@ def open_sink(url: str, settings: Settings) -> Sink | None:
 
 
 def _digest(value: Any) -> str:
-    """sha256 of the canonical JSON of ``value`` (JSON bytes are decoded first)."""
+    """sha256 of ``value``'s bytes as they were answered, or of its canonical JSON."""
     if isinstance(value, bytes):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            return hashlib.sha256(value).hexdigest()
+        return hashlib.sha256(value).hexdigest()
     return digest(value)
 
 
