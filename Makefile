@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: up test lint typecheck unit system-deps venv vllm-venv clean bench-loader bench-engine bench-serving bench-jobs
+.PHONY: up test lint typecheck unit system-deps venv vllm-venv clean bench-loader bench-engine bench-serving bench-jobs bench-batch
 
 ## up: install, start a local Redis if EMBER_REDIS_URL is unset, run Ember on :8000
 up: venv system-redis
@@ -70,6 +70,10 @@ bench-serving: venv
 # The async queue: jobs/s per worker count and added latency vs online. ARGS="--workers 4"
 bench-jobs: venv system-redis
 	$(PY) bench/jobs.py $(ARGS)
+
+# Batch scoring: rows/s of a run vs row-by-row online and the engine's max. ARGS="--rows 50000"
+bench-batch: venv system-redis
+	$(PY) bench/batch.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
