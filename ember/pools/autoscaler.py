@@ -17,24 +17,41 @@ How ``decide`` works, all in model units per second:
 
 1. **Forecast** demand ``lead`` seconds ahead: level + trend (time-aware Holt smoothing)
    scaled by a daily / weekly profile learned from history, and at least a **burst guard**
-   (a decaying envelope of recent short-window demand).
+   (a decaying envelope of the last ~10 s of demand, at full utilization).
 2. ``lead`` is the measured promotion time (p95) of the tier it would promote from: warm
    if it holds a warm replica, else standby, else cold.
-3. Hot replicas = forecast (plus what drains the queue within ``drain_s``) over
-   ``capacity x target_utilization``. **Panic** when the queue grows while demand exceeds
-   hot capacity: size for demand and queue at full utilization and never scale down.
+3. Hot replicas = forecast over ``capacity x target_utilization``. A **queue** adds what
+   drains it within ``drain_s`` while arrivals go on at the forecast (hot headroom that
+   already does so adds nothing); async jobs drain within ``async_drain_s``. **Panic**
+   when the queue grows while demand exceeds hot capacity: size for the last tick's
+   demand and the queue at full utilization and never scale down meanwhile.
 4. Scale-down only after ``stabilization_s`` (the most hot replicas recommended in that
-   window stays), and **one tier at a time**: a hot replica becomes warm, stays warm for
-   ``warm_keep_s``, then standby for ``standby_keep_s``, then goes. Scale-up is at once.
-5. ``min_hot`` floor, ``max_replicas`` cap (hot + warm + standby). A model that opts out
-   of the hot floor (``scale_to_zero``) keeps ``min_warm`` warm replicas instead of none.
+   window stays; queue and panic capacity after ``burst_hold_s``), ``idle_hold_s``
+   after the last request for a model without a hot floor, and **one tier at a time**: a
+   hot replica becomes warm, stays warm for ``warm_keep_s``, then standby until
+   ``standby_keep_s`` (by default no longer: the standby tier is the shared pool), then
+   goes. Scale-up is at once.
+5. **Warm buffer, burst-aware**: while the model is in use, hot + warm can carry the
+   largest single-tick demand of the recent past (``surge``, forgotten over
+   ``surge_decay_s``) at full utilization, so a burst is met by warm promotions (one tick
+   + ``warm_s``), not by cold starts; plus ``warm_spare_fraction`` spares.
+6. ``min_hot`` floor, ``max_replicas`` cap (hot + warm + standby). A model that opts out
+   of the hot floor (``scale_to_zero``) keeps ``min_warm`` warm replicas while it was
+   used within ``warm_keep_s`` or it was used at this time of day on most recent days
+   (``predict_active_fraction`` of the daily activity profile, ``predict_horizon_s``
+   ahead) -- otherwise a ``min_standby`` standby floor: a predicted-idle model waits a
+   standby load, not a cold start, and costs a share of the (generic, shared) standby
+   pool instead of a warm replica.
+
+The policy only ever sees the past: observations up to ``now`` and what it learned
+from them.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Generic, TypeVar
 
@@ -42,6 +59,7 @@ from ember.logs import get_logger, model_context
 from ember.registry.schemas import PoolPolicy
 
 _EPS = 1e-9
+_DAY_S = 86_400.0
 
 
 class Tier(StrEnum):
@@ -104,6 +122,9 @@ class Observation:
     promotion: PromotionTimes = field(default_factory=PromotionTimes)
     inflight_requests: float = 0.0
     queued_requests: float = 0.0
+    async_queued_units: float = 0.0
+    """Units of unfinished async jobs: no wait SLO, so drained within ``async_drain_s``
+    (never a panic); online queues go in ``queued_units``."""
 
 
 S = TypeVar("S")
@@ -136,37 +157,61 @@ class EmberConfig:
     scale_to_zero: bool = False
     max_replicas: int = 4
     target_utilization: float = 0.7
-    level_tau_s: float = 60.0
+    level_tau_s: float = 180.0
     """Smoothing of the demand level."""
     trend_tau_s: float = 120.0
     """Smoothing of the demand trend."""
     burst_tau_s: float = 10.0
     """Short-window demand the burst guard follows."""
-    burst_decay_s: float = 120.0
+    burst_decay_s: float = 30.0
     """How fast the burst guard forgets a burst."""
-    burst_guard: float = 0.75
+    burst_guard: float = 1.0
     """Fraction of the recent short-window peak kept at full capacity."""
     profile_bin_s: float = 600.0
     profile_periods_s: tuple[float, ...] = (86_400.0, 604_800.0)
     profile_weight: float = 0.3
     """Weight of the newest period in a profile bin (EWMA across days / weeks)."""
-    drain_s: float = 4.0
-    """Extra hot capacity drains the queue within this."""
-    panic_hold_s: float = 5.0
+    drain_s: float = 1.0
+    """Extra hot capacity drains the queue within this (the SLO is a wait of seconds)."""
+    async_drain_s: float = 60.0
+    """... and the async job backlog within this."""
+    panic_hold_s: float = 1.0
     panic_wait_s: float = 1.0
     """Panic when the queue holds more than this many seconds of hot capacity and grows."""
-    stabilization_s: float = 120.0
+    stabilization_s: float = 60.0
     """Hot -> warm only after this long with fewer hot replicas recommended."""
-    burst_hold_s: float = 15.0
-    """Capacity added for a queue or a panic stays hot this long."""
-    idle_hold_s: float = 30.0
+    burst_hold_s: float = 2.0
+    """Capacity added for a queue or a panic stays hot this long (it comes back from warm
+    in one promotion if the queue does)."""
+    idle_hold_s: float = 10.0
     """No arrivals for this long: drop to the ``min_hot`` floor (hot -> warm)."""
     warm_keep_s: float = 600.0
-    standby_keep_s: float = 7_200.0
+    """Replicas recommended in this window stay warm; a model that opted out of the hot
+    floor keeps its warm floor this long after its last request (or while its profile
+    expects requests), then a standby one."""
+    standby_keep_s: float = 600.0
+    """Replicas recommended in this window (and not warm) stay standby. Standby processes
+    hold no weights and are one pool shared by every deployment, so by default a model
+    keeps no standby of its own beyond its floor (a large one waking up would otherwise
+    size the shared pool): replicas go warm -> cold after ``warm_keep_s``."""
     warm_spare_fraction: float = 0.25
     """Warm replicas kept per hot one, so the next scale-up is a warm promotion."""
+    warm_spares: int = 2
+    """... and at least this many while any replica is hot: before it has seen a burst,
+    a model can still grow this much within one promotion."""
+    surge_decay_s: float = 1_800.0
+    """Memory of the largest single-tick demand (the surge the warm tier must absorb)."""
+    surge_s: float = 1.0
+    """Hot + warm serve the remembered largest tick's units within this many seconds."""
     min_warm: int | None = None
     """Warm floor; default 1 when ``min_hot`` is 0 (scale to warm, not to zero)."""
+    min_standby: int | None = None
+    """Standby floor when the warm floor lapses; default 1 when ``min_hot`` is 0."""
+    predict_horizon_s: float = 1_800.0
+    """A model that was used at this time of day on most recent days (within this
+    horizon ahead) keeps its warm floor through an idle spell."""
+    predict_active_fraction: float = 0.5
+    """... "most": the EWMA (``profile_weight`` per day) of "had requests in this bin"."""
     tick_s: float = 1.0
 
     @classmethod
@@ -185,49 +230,78 @@ class EmberConfig:
             return self.min_warm
         return 1 if self.min_hot == 0 else 0
 
+    @property
+    def standby_floor(self) -> int:
+        if self.min_standby is not None:
+            return self.min_standby
+        return 1 if self.min_hot == 0 else 0
+
 
 # ------------------------------------------------------------------------- forecaster
 
 
 @dataclass(frozen=True, slots=True)
 class Forecaster:
-    """Holt level + trend, burst envelope and periodic profiles; immutable."""
+    """Holt level + trend, burst and surge envelopes and periodic profiles; immutable."""
 
     level: float = 0.0
     trend: float = 0.0
     short: float = 0.0
     envelope: float = 0.0
+    surge: float = 0.0
+    """Decaying maximum of single-tick demand."""
     bin_start_s: float | None = None
     bin_units: float = 0.0
     profiles: tuple[tuple[float, ...], ...] = ()
     """Per period, units/s per bin (NaN: never seen)."""
+    activity: tuple[float, ...] = ()
+    """Per daily bin, EWMA of "had any demand" (NaN: never seen)."""
 
     def update(self, demand: float, dt: float, now: float, cfg: EmberConfig) -> Forecaster:
-        a_level = 1.0 - math.exp(-dt / cfg.level_tau_s)
-        level = self.level + a_level * (demand - self.level)
+        level = self.level + (1.0 - math.exp(-dt / cfg.level_tau_s)) * (demand - self.level)
         slope = (level - self.level) / dt if dt > 0 else 0.0
         trend = self.trend + (1.0 - math.exp(-dt / cfg.trend_tau_s)) * (slope - self.trend)
         short = self.short + (1.0 - math.exp(-dt / cfg.burst_tau_s)) * (demand - self.short)
         envelope = max(short, self.envelope * math.exp(-dt / cfg.burst_decay_s))
-        out = replace(self, level=level, trend=trend, short=short, envelope=envelope)
-        return out._roll_profile(demand * dt, now, cfg)
+        # A tick's demand, never a rate over less than a tick (an activator's call at the
+        # first arrival covers an instant).
+        tick_demand = demand * dt / max(dt, cfg.tick_s)
+        surge = max(tick_demand, self.surge * math.exp(-dt / cfg.surge_decay_s))
+        bin_start, bin_units, profiles, activity = self._roll_profile(demand * dt, now, cfg)
+        return Forecaster(
+            level, trend, short, envelope, surge, bin_start, bin_units, profiles, activity
+        )
 
-    def _roll_profile(self, units: float, now: float, cfg: EmberConfig) -> Forecaster:
+    def _roll_profile(
+        self, units: float, now: float, cfg: EmberConfig
+    ) -> tuple[float, float, tuple[tuple[float, ...], ...], tuple[float, ...]]:
         if self.bin_start_s is None:
             start = math.floor(now / cfg.profile_bin_s) * cfg.profile_bin_s
             profiles = tuple(
                 (math.nan,) * round(p / cfg.profile_bin_s) for p in cfg.profile_periods_s
             )
-            return replace(self, bin_start_s=start, bin_units=units, profiles=profiles)
+            activity = (math.nan,) * round(_DAY_S / cfg.profile_bin_s)
+            return start, units, profiles, activity
         if now < self.bin_start_s + cfg.profile_bin_s:
-            return replace(self, bin_units=self.bin_units + units)
-        rate = self.bin_units / cfg.profile_bin_s
-        profiles = tuple(
-            _set_bin(prof, _bin(self.bin_start_s, len(prof), cfg), rate, cfg.profile_weight)
-            for prof in self.profiles
-        )
-        start = math.floor(now / cfg.profile_bin_s) * cfg.profile_bin_s
-        return replace(self, bin_start_s=start, bin_units=units, profiles=profiles)
+            return self.bin_start_s, self.bin_units + units, self.profiles, self.activity
+        # Close the bin, and the bins skipped since (an idle stretch): they saw no demand.
+        profiles, activity = self.profiles, self.activity
+        start, carried = self.bin_start_s, self.bin_units
+        newest = math.floor(now / cfg.profile_bin_s) * cfg.profile_bin_s
+        longest = max([len(activity), *(len(p) for p in profiles)])
+        skipped = 0
+        while start < newest and skipped < longest:
+            rate = carried / cfg.profile_bin_s
+            w = cfg.profile_weight
+            profiles = tuple(
+                _set_bin(prof, _bin(start, len(prof), cfg), rate, w) for prof in profiles
+            )
+            active = 1.0 if carried > 0 else 0.0
+            activity = _set_bin(activity, _bin(start, len(activity), cfg), active, w)
+            carried = 0.0
+            start += cfg.profile_bin_s
+            skipped += 1
+        return newest, units, profiles, activity
 
     def profile_ratio(self, now: float, lead: float, cfg: EmberConfig) -> float:
         """Profile at ``now + lead`` over profile now (longest period with data; 1 if none)."""
@@ -243,6 +317,20 @@ class Forecaster:
         seasonal = self.level * self.profile_ratio(now, lead, cfg)
         return max(holt, seasonal, 0.0)
 
+    def active_ahead(self, now: float, horizon: float, cfg: EmberConfig) -> float:
+        """How regularly the model had requests at this time of day (the most of the
+        daily bins over ``[now, now + horizon]``; 0 for bins never seen)."""
+        if not self.activity:
+            return 0.0
+        n = len(self.activity)
+        first, last = int(now // cfg.profile_bin_s), int((now + horizon) // cfg.profile_bin_s)
+        best = 0.0
+        for k in range(first, last + 1):
+            v = self.activity[k % n]
+            if not math.isnan(v) and v > best:
+                best = v
+        return best
+
 
 def _bin(t: float, nbins: int, cfg: EmberConfig) -> int:
     return int(t // cfg.profile_bin_s) % nbins
@@ -252,6 +340,10 @@ def _set_bin(prof: tuple[float, ...], k: int, value: float, w: float) -> tuple[f
     old = prof[k]
     new = value if math.isnan(old) else old + w * (value - old)
     return (*prof[:k], new, *prof[k + 1 :])
+
+
+def _ceil(x: float) -> int:
+    return math.ceil(x - _EPS) if x > _EPS else 0
 
 
 # ------------------------------------------------------------------------- the policy
@@ -303,23 +395,32 @@ def decide(
     dt = max(obs.interval_s, _EPS)
     demand = obs.arrived_units_per_s
     fc = state.forecaster.update(demand, dt, now, cfg)
-    last_arrival = now if demand > 0 else state.last_arrival_t
+    # A new deployment counts as used now: it starts warm, not in the standby floor.
+    last_arrival = now if demand > 0 or state.last_t is None else state.last_arrival_t
     source = _source_tier(obs)
     lead = obs.promotion.of(source)
     forecast = fc.forecast(now, lead, cfg)
     guard = fc.envelope * cfg.burst_guard
     cap = max(obs.capacity_units_per_s, _EPS)
-    drain = obs.queued_units / cfg.drain_s
+    drain = obs.queued_units / cfg.drain_s + obs.async_queued_units / cfg.async_drain_s
     reasons: list[str] = []
-    base = math.ceil(forecast / (cap * cfg.target_utilization) - _EPS)
+    base = _ceil(forecast / (cap * cfg.target_utilization))
     reasons.append(f"forecast {forecast:.3g} u/s at +{lead:g}s (lead from {source}) -> {base}")
-    if guard > 0 and math.ceil(guard / cap - _EPS) > base:
-        base = math.ceil(guard / cap - _EPS)
+    if _ceil(guard / cap) > base:
+        base = _ceil(guard / cap)
         reasons.append(f"burst guard {guard:.3g} u/s -> {base}")
     want = base
-    if drain > 0:
-        want += math.ceil(drain / cap - _EPS)
-        reasons.append(f"queue {obs.queued_units:.3g} u to drain in {cfg.drain_s:g}s -> {want}")
+    if drain > _EPS:
+        # Arrivals keep coming at the forecast rate; what is left over drains the queue.
+        # Hot headroom that already does so adds nothing (a queue that outgrows it is a
+        # panic, below).
+        want_q = _ceil((forecast + drain) / cap)
+        if want_q > want:
+            want = want_q
+            reasons.append(
+                f"queue {obs.queued_units:.3g} u (+{obs.async_queued_units:.3g} u async) "
+                f"to drain -> {want}"
+            )
     hot_now = obs.ready.hot + obs.promoting
     hot_cap = obs.ready.hot * cap
     panic_until = state.panic_until
@@ -327,9 +428,10 @@ def decide(
     if growing and obs.queued_units > cfg.panic_wait_s * hot_cap:
         panic_until = now + cfg.panic_hold_s
     if now < panic_until:
-        want = max(want, math.ceil((demand + drain) / cap - _EPS), hot_now)
+        want = max(want, _ceil((demand + drain) / cap), hot_now)
         reasons.append(f"panic until +{panic_until - now:.0f}s: no scale-down -> {want}")
-    idle = now - last_arrival >= cfg.idle_hold_s and obs.queued_units <= _EPS
+    queued = obs.queued_units + obs.async_queued_units
+    idle = now - last_arrival >= cfg.idle_hold_s and queued <= _EPS
     if idle:
         base = want = 0
     base, want = min(base, cfg.max_replicas), min(want, cfg.max_replicas)
@@ -348,14 +450,26 @@ def decide(
         hot = cfg.min_hot
         reasons.append(f"floor min_hot={cfg.min_hot}")
     hot = min(hot, cfg.max_replicas)
+    # Warm: spares for the next scale-up, what sustained demand needed lately, and enough
+    # to absorb the largest recent single tick (promoted within one tick + warm_s).
+    active = now - last_arrival < cfg.warm_keep_s
+    surge = _ceil(fc.surge * cfg.tick_s / (cap * cfg.surge_s)) if active else 0
+    floor_warm, floor_standby = _floors(fc, cfg, now, last_arrival)
     warm = max(
-        cfg.warm_floor,
-        math.ceil(cfg.warm_spare_fraction * hot - _EPS),
+        floor_warm,
+        max(_ceil(cfg.warm_spare_fraction * hot), cfg.warm_spares if hot else 0),
         _max_since(recent, now - cfg.warm_keep_s) - hot,
+        surge - hot,
     )
     warm = max(0, min(warm, cfg.max_replicas - hot))
-    standby = _max_since(recent, now - cfg.standby_keep_s) - hot - warm
+    if surge > hot and warm >= surge - hot:
+        reasons.append(f"surge {fc.surge:.3g} u/s in one tick -> {surge - hot} warm")
+    standby = max(_max_since(recent, now - cfg.standby_keep_s) - hot - warm, 0)
+    if hot + warm + standby < floor_standby:
+        standby = floor_standby - hot - warm
     standby = max(0, min(standby, cfg.max_replicas - hot - warm))
+    if floor_warm < cfg.warm_floor and hot + warm == 0:
+        reasons.append(f"idle {now - last_arrival:.0f}s, none expected: standby floor")
     new_state = EmberState(fc, now, last_arrival, obs.queued_units, panic_until, recent, bursts)
     return Decision(
         desired=TierCounts(hot, warm, standby),
@@ -367,17 +481,35 @@ def decide(
     )
 
 
+def _floors(fc: Forecaster, cfg: EmberConfig, now: float, last_arrival: float) -> tuple[int, int]:
+    """(warm, standby) floors: the warm floor holds while the model was used within
+    ``warm_keep_s`` or its profile expects requests within ``predict_horizon_s``."""
+    if cfg.warm_floor <= 0 or now - last_arrival < cfg.warm_keep_s:
+        return cfg.warm_floor, cfg.standby_floor
+    if fc.active_ahead(now, cfg.predict_horizon_s, cfg) >= cfg.predict_active_fraction:
+        return cfg.warm_floor, cfg.standby_floor
+    return 0, cfg.standby_floor
+
+
 def _next_eval(obs: Observation, st: EmberState, cfg: EmberConfig, now: float, idle: bool) -> float:
-    busy = obs.arrived_units_per_s > 0 or obs.queued_units > _EPS or obs.promoting > 0
+    queued = obs.queued_units + obs.async_queued_units
+    busy = obs.arrived_units_per_s > 0 or queued > _EPS or obs.promoting > 0
     if busy or not idle:
         return now + cfg.tick_s
-    # Idle: only the tier windows can change the answer; wake when the oldest expires.
+    # Idle: only the tier windows and the floors can change the answer; wake when the
+    # first of them expires (and at profile bin edges while the warm floor is predicted).
     expiries = [
         t + span
         for t, _ in st.recent
         for span in (cfg.stabilization_s, cfg.warm_keep_s, cfg.standby_keep_s)
         if t + span > now
     ]
+    if cfg.warm_floor > 0:
+        keep = st.last_arrival_t + cfg.warm_keep_s
+        if keep > now:
+            expiries.append(keep)
+        else:
+            expiries.append((math.floor(now / cfg.profile_bin_s) + 1) * cfg.profile_bin_s)
     return min(expiries, default=math.inf)
 
 

@@ -402,8 +402,8 @@ class PoolsController:
             arrived_units_per_s=arrived / dt,
             admitted_units_per_s=admitted / dt,
             inflight_units=inflight,
-            queued_units=max(0.0, inflight - len(hot) * view.policy.max_batch_size * unit)
-            + self.async_queued.get(key, 0.0),
+            queued_units=max(0.0, inflight - len(hot) * view.policy.max_batch_size * unit),
+            async_queued_units=self.async_queued.get(key, 0.0),
             capacity_units_per_s=view.capacity_units_per_s(version),
             ready=TierCounts(
                 hot=len(hot),

@@ -18,14 +18,19 @@ The model (stated, because it is an approximation):
   with ``W`` the work ahead, mapped back through ``tau``. Exact for the pooled server.
 - Admission: arrivals in a tick are shed (429) when the predicted wait at the tick's start
   exceeds ``max_wait_s``. Every request ends served or shed, exactly once.
-- Tiers: a promotion comes from warm, then standby, then cold. Demotion is instant.
-  Replicas cost ``hot`` while promoting.
+- Tiers: a promotion comes from warm, then standby, then cold. Demotion is instant; a
+  start still in progress is cancelled before a ready replica is demoted. Replicas cost
+  ``hot`` while promoting.
+- Catalogues (many models, each its own simulation): :func:`catalogue` charges the
+  standby tier as one pool of generic processes shared by all models, sized so that
+  none ever finds it empty (:func:`shared_standby_pool`), as the pools controller runs it.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +81,10 @@ class SimResult:
     decisions: int
     slo_wait_s: float
     warmup_s: float
+    trace: str = ""
+    duration_s: float = 0.0
+    standby_takes_s: FloatArray = field(default_factory=lambda: np.zeros(0))
+    """When a standby process was put to use (promoted, or loaded to warm)."""
 
     @property
     def counted(self) -> npt.NDArray[np.bool_]:
@@ -112,10 +121,11 @@ class _Pool:
         self.warm = 0
         self.standby = 0
         self.promoting: list[tuple[float, str]] = []  # heap of (ready time, from tier)
-        self.creating: list[tuple[float, str]] = []  # heap of (ready time, tier)
+        self.standby_takes: list[float] = []  # when a standby process was put to use
+        self.creating: list[tuple[float, str, str]] = []  # heap of (ready time, tier, from)
 
     def counts_for_cost(self) -> tuple[int, int, int]:
-        cw = sum(1 for _, tier in self.creating if tier == "warm")
+        cw = sum(1 for e in self.creating if e[1] == "warm")
         cs = len(self.creating) - cw
         return self.hot + len(self.promoting), self.warm + cw, self.standby + cs
 
@@ -129,7 +139,7 @@ class _Pool:
             heapq.heappop(self.promoting)
             self.hot += 1
         while self.creating and self.creating[0][0] <= now + _EPS:
-            _, tier = heapq.heappop(self.creating)
+            _, tier, _src = heapq.heappop(self.creating)
             if tier == "warm":
                 self.warm += 1
             else:
@@ -144,6 +154,7 @@ class _Pool:
                 heapq.heappush(self.promoting, (now + p.warm_s, "warm"))
             elif self.standby:
                 self.standby -= 1
+                self.standby_takes.append(now)
                 heapq.heappush(self.promoting, (now + p.standby_s, "standby"))
             else:
                 heapq.heappush(self.promoting, (now + p.cold_s, "cold"))
@@ -164,27 +175,30 @@ class _Pool:
 
     def _fill(self, tier: str, want: int, now: float) -> None:
         p = self.promo
-        pending = sum(1 for _, t in self.creating if t == tier)
+        pending = sum(1 for e in self.creating if e[1] == tier)
         have = (self.warm if tier == "warm" else self.standby) + pending
         for _ in range(want - have):
             if tier == "warm" and self.standby:
                 self.standby -= 1
-                heapq.heappush(self.creating, (now + max(p.standby_s - p.warm_s, 0.0), tier))
+                self.standby_takes.append(now)
+                ready = now + max(p.standby_s - p.warm_s, 0.0)
+                heapq.heappush(self.creating, (ready, tier, "standby"))
             else:
                 load = p.cold_s if tier == "warm" else max(p.cold_s - p.standby_s, 0.0)
-                heapq.heappush(self.creating, (now + load, tier))
+                heapq.heappush(self.creating, (now + load, tier, "cold"))
         for _ in range(have - want):
-            if tier == "warm" and self.warm:
-                self.warm -= 1
-                self.standby += 1
-            elif tier == "standby" and self.standby:
-                self.standby -= 1
-            else:  # drop the pending one that would finish last
+            if any(e[1] == tier for e in self.creating):
+                # Cancel the start that would finish last before touching a ready replica.
                 last = max(e for e in self.creating if e[1] == tier)
                 self.creating.remove(last)
                 heapq.heapify(self.creating)
-                if tier == "warm":
+                if last[2] == "standby":
                     self.standby += 1
+            elif tier == "warm":
+                self.warm -= 1
+                self.standby += 1
+            else:
+                self.standby -= 1
 
 
 def unit_costs(cm: CostModel, trace: Trace) -> FloatArray:
@@ -206,7 +220,11 @@ def simulate(
     w = unit_costs(cm, trace) if len(a) else np.zeros(0)
     loop = _Loop(trace, w, autoscaler, config)
     loop.run()
-    return loop.result(policy_name)
+    res = loop.result(policy_name)
+    res.trace = trace.name
+    res.duration_s = trace.duration_s
+    res.standby_takes_s = np.asarray(loop.pool.standby_takes, dtype=np.float64)
+    return res
 
 
 class _Loop:
@@ -422,3 +440,55 @@ class _Loop:
             slo_wait_s=self.cfg.slo_wait_s,
             warmup_s=self.cfg.warmup_s,
         )
+
+
+def shared_standby_pool(results: Sequence[SimResult], replenish_s: float) -> int:
+    """Generic standby processes a catalogue needs so that none of its models ever finds
+    the pool empty: the most standby processes put to use within any ``replenish_s``
+    (a used process is replaced by spawning a new one: interpreter and imports, no
+    weights). At least one when any model uses the tier."""
+    takes = np.sort(np.concatenate([r.standby_takes_s for r in results] or [np.zeros(0)]))
+    uses = any(r.replica_s["standby"] > 0 for r in results)
+    if len(takes) == 0:
+        return 1 if uses else 0
+    ends = np.searchsorted(takes, takes + replenish_s - _EPS, side="left")
+    return int((ends - np.arange(len(takes))).max())
+
+
+def catalogue(
+    results: Sequence[SimResult], name: str, tier_cost: TierCost, *, replenish_s: float
+) -> tuple[SimResult, int]:
+    """Many models' results as one catalogue whose standby tier is one shared pool.
+
+    Standby processes hold no weights (DESIGN.md: "standby processes are generic"; the
+    pools controller keeps one pool for every deployment), so a catalogue pays for the
+    pool it needs (:func:`shared_standby_pool`), not for a standby replica per model.
+    Returns the combined result and the pool size.
+    """
+    pool = shared_standby_pool(results, replenish_s)
+    first = results[0]
+    counted = max((r.duration_s for r in results), default=0.0) - first.warmup_s
+    replica_s = {k: sum(r.replica_s[k] for r in results) for k in first.replica_s}
+    replica_s["standby"] = pool * max(counted, 0.0)
+    weighted = (
+        tier_cost.hot * replica_s["hot"]
+        + tier_cost.warm * replica_s["warm"]
+        + tier_cost.standby * replica_s["standby"]
+    )
+    cat = np.concatenate
+    out = SimResult(
+        policy=name,
+        arrivals_s=cat([r.arrivals_s for r in results]),
+        wait_s=cat([r.wait_s for r in results]),
+        shed=cat([r.shed for r in results]),
+        cold_wait=cat([r.cold_wait for r in results]),
+        replica_s=replica_s,
+        weighted_cost=weighted,
+        decisions=sum(r.decisions for r in results),
+        slo_wait_s=first.slo_wait_s,
+        warmup_s=first.warmup_s,
+        trace="catalogue",
+        duration_s=counted + first.warmup_s,
+        standby_takes_s=np.sort(cat([r.standby_takes_s for r in results])),
+    )
+    return out, pool

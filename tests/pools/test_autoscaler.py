@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import structlog
@@ -72,7 +73,9 @@ def test_no_flapping_on_noise() -> None:
 
 
 def test_scale_down_waits_for_stabilization_then_one_tier_at_a_time() -> None:
-    cfg = EmberConfig(max_replicas=50)
+    cfg = EmberConfig(
+        max_replicas=50, level_tau_s=60.0, stabilization_s=120.0, standby_keep_s=7_200.0
+    )
     high, low = 9.5 * PER_HOT, 10.0  # 53.2 u/s -> 10 hot; 10 u/s -> 1.8 -> 2 hot
     t0 = 1800.0
     warm = run(cfg, [high] * int(t0))
@@ -138,3 +141,85 @@ def test_autoscaler_is_generic_over_policies() -> None:
 
     scaler: Autoscaler[int, int] = Autoscaler(fixed, 3, 0, clock=lambda: 0.0, log_decisions=False)
     assert scaler.step(obs(1.0)).desired.hot == 3 and scaler.state == 1
+
+
+def test_a_queue_within_hot_headroom_adds_no_replica() -> None:
+    cfg = EmberConfig(max_replicas=50)
+    st = run(cfg, [10.0] * 900)[-1].state  # 10 u/s -> 10 / 5.6 -> 2 hot (16 u/s)
+    small = decide(obs(10.0, hot=2, queued=4.0), st, cfg, 901.0)
+    assert small.desired.hot == 2  # 6 u/s of headroom drains 4 units within drain_s
+    big = decide(obs(10.0, hot=2, queued=30.0), st, cfg, 901.0)
+    assert big.desired.hot == math.ceil((10.0 + 30.0 / cfg.drain_s) / CAP)  # 40 / 8 -> 5
+    assert any(r.startswith("queue") for r in big.reasons)
+
+
+def test_async_backlog_drains_slowly_and_never_panics() -> None:
+    cfg = EmberConfig(max_replicas=50)
+    st = run(cfg, [10.0] * 900)[-1].state
+    async_obs = replace(obs(10.0, hot=2), async_queued_units=600.0)
+    dec = decide(async_obs, st, cfg, 901.0)
+    # 600 units over async_drain_s (60 s) = 10 u/s on top of the 10 u/s forecast: 3 hot,
+    # not the 75 that draining 600 units within drain_s would take.
+    assert dec.desired.hot == math.ceil((10.0 + 600.0 / cfg.async_drain_s) / CAP)
+    again = decide(replace(async_obs, async_queued_units=700.0), dec.state, cfg, 902.0)
+    assert not any(r.startswith("panic") for r in again.reasons)
+
+
+def test_warm_buffer_holds_the_largest_recent_tick() -> None:
+    cfg = EmberConfig(max_replicas=50)
+    quiet = run(cfg, [2.0] * 600)
+    spares = TierCounts(hot=1, warm=cfg.warm_spares, standby=0)  # never saw a burst
+    assert quiet[-1].desired == spares
+    spike = run(cfg, [60.0], t0=600.0, state=quiet[-1].state)[-1]
+    after = run(cfg, [2.0] * 300, t0=601.0, state=spike.state)
+    # 60 u/s in one tick needs ceil(60 / 8) = 8 replicas at full utilization: whatever is
+    # not hot waits warm, one promotion (warm_s) away, not a cold start away.
+    for d in after[200:]:
+        assert d.desired.hot + d.desired.warm >= math.ceil(60.0 * math.exp(-300 / 1800) / CAP)
+    assert after[-1].desired.hot == 1
+    assert any(r.startswith("surge") for r in after[-1].reasons)
+    # ... and it is forgotten over surge_decay_s.
+    gap = 6 * cfg.surge_decay_s
+    later = decide(obs(2.0, dt=gap), after[-1].state, cfg, 901.0 + gap)
+    assert later.desired == spares
+
+
+def test_an_instant_activator_call_is_not_a_surge() -> None:
+    # The activator decides at the first arrival: one request's units over ~0 s.
+    cfg = EmberConfig(min_hot=0, scale_to_zero=True, max_replicas=50)
+    first = decide(obs(3.0 / 1e-9, hot=0, warm=1, dt=1e-9), EmberState(), cfg, 10.0)
+    assert first.desired.hot == 1
+    # 3 units in one tick: one replica carries them; only the spares wait warm.
+    assert first.desired.warm == cfg.warm_spares
+    assert first.state.forecaster.surge == 3.0
+    assert not any(r.startswith("surge") for r in first.reasons)
+
+
+def test_scale_to_warm_then_standby_unless_used_at_this_time_of_day() -> None:
+    cfg = EmberConfig(min_hot=0, scale_to_zero=True, max_replicas=10)
+    # Used once, at t = 0..60 s; then idle.
+    st = run(cfg, [3.0] * 60)[-1].state
+    at = {
+        t: decide(obs(0.0, hot=0, warm=1, dt=t - 60.0), st, cfg, t)
+        for t in (60.0 + cfg.warm_keep_s - 10, 60.0 + cfg.warm_keep_s + 10)
+    }
+    assert at[60.0 + cfg.warm_keep_s - 10].desired == TierCounts(hot=0, warm=1, standby=0)
+    late = at[60.0 + cfg.warm_keep_s + 10]
+    assert late.desired == TierCounts(hot=0, warm=0, standby=1)
+    assert any("standby floor" in r for r in late.reasons)
+
+
+def test_predicted_use_keeps_the_warm_floor_through_an_idle_spell() -> None:
+    cfg = EmberConfig(min_hot=0, scale_to_zero=True, max_replicas=10)
+    day, nine = 86_400.0, 9 * 3600.0
+    st = EmberState()
+    for d in range(3):  # used 09:00-09:20 on three days, idle otherwise
+        busy = run(cfg, [3.0] * 120, t0=d * day + nine, dt=10.0, state=st)
+        st = busy[-1].state
+        st = decide(obs(0.0, hot=0, warm=1, dt=600.0), st, cfg, d * day + nine + 1800).state
+    # Day 4, 08:50 (idle for ~23 h): it is used at this time of day -> warm floor.
+    before = decide(obs(0.0, hot=0, warm=1, dt=3600.0), st, cfg, 3 * day + nine - 600)
+    assert before.desired == TierCounts(hot=0, warm=1, standby=0)
+    # Day 4, 15:00: never used around then -> standby floor.
+    off = decide(obs(0.0, hot=0, warm=1, dt=3600.0), st, cfg, 3 * day + 15 * 3600.0)
+    assert off.desired == TierCounts(hot=0, warm=0, standby=1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 
 from ember.costmodel import CostModel
 from ember.pools import policies as pol
@@ -13,9 +14,18 @@ from ember.pools.autoscaler import (
     EmberConfig,
     EmberState,
     PromotionTimes,
+    TierCounts,
     decide,
 )
-from ember.pools.simulator import SimConfig, simulate
+from ember.pools.simulator import (
+    SimConfig,
+    SimResult,
+    TierCost,
+    _Pool,
+    catalogue,
+    shared_standby_pool,
+    simulate,
+)
 from ember.pools.traces import Trace, synthetic
 
 ONE_UNIT = CostModel(alpha=0.0, beta=0.0, gamma=1.0, capacity_units_per_s=1.0)
@@ -87,3 +97,70 @@ def test_replaying_recorded_observations_gives_the_same_decisions() -> None:
     for now, observation, decision in sim_scaler.history:
         t[0] = now
         assert controller.step(observation) == decision
+
+
+EIGHT = CostModel(alpha=0.0, beta=0.0, gamma=1.0, capacity_units_per_s=8.0)
+FAST = PromotionTimes(warm_s=0.6, standby_s=2.5, cold_s=8.0)
+
+
+def test_a_burst_seen_before_is_met_by_warm_promotions() -> None:
+    # 2 req/s of 1 unit (one replica at 8 u/s is plenty) and twice a burst of 80 requests
+    # within one second (10 replicas' worth). The first finds the two warm spares; the
+    # second finds the warm buffer the first one taught (hot + warm carry a tick like it),
+    # promoted within one tick + 0.6 s.
+    steady = np.arange(0.0, 1200.0, 0.5)
+    burst = np.linspace(0.0, 0.9, 80)
+    times = np.sort(np.concatenate([steady, 300.0 + burst, 900.0 + burst]))
+    sim = SimConfig(cost_model=EIGHT, warmup_s=0.0, promotion=FAST)
+
+    def waits(surge_s: float) -> tuple[float, float, float]:
+        cfg = EmberConfig(max_replicas=20, surge_s=surge_s)
+        res = simulate(trace(times.tolist(), 1200.0), scaler(decide, cfg, EmberState()), sim)
+        first = res.wait_s[(times >= 300) & (times < 301)].max()
+        second = res.wait_s[(times >= 900) & (times < 901)].max()
+        return float(first), float(second), res.replica_s["hot"]
+
+    first, second, hot_s = waits(EmberConfig().surge_s)
+    assert second <= sim.slo_wait_s < first
+    assert hot_s < 1.25 * 1200  # the burst capacity went back to warm; ~1 hot all along
+    _, second_without, _ = waits(1e12)  # no warm buffer: the second burst waits as long
+    assert second_without > sim.slo_wait_s
+
+
+def test_pending_starts_are_cancelled_before_ready_replicas() -> None:
+    pool = _Pool(FAST)
+    pool.hot = 3
+    pool.apply(TierCounts(hot=3, warm=2), now=0.0)  # two warm replicas start from cold
+    assert [e[1:] for e in pool.creating] == [("warm", "cold"), ("warm", "cold")]
+    pool.apply(TierCounts(hot=1, warm=2), now=1.0)  # two hot ones are demoted meanwhile
+    assert (pool.hot, pool.warm, pool.standby, pool.creating) == (1, 2, 0, [])
+
+
+def test_a_catalogue_shares_one_standby_pool() -> None:
+    # Scale-to-warm models that idle into the standby floor, then wake: each wake-up puts
+    # one standby process to use. Apart, one shared process serves them all; together,
+    # the pool must hold one per model waking within the replenish time.
+    sim = SimConfig(cost_model=EIGHT, warmup_s=0.0, promotion=FAST)
+    cfg = EmberConfig(min_hot=0, scale_to_zero=True, max_replicas=4)
+
+    def model(wake: float) -> SimResult:
+        return simulate(trace([1.0, wake], 4000.0), scaler(decide, cfg, EmberState()), sim)
+
+    apart = [model(2000.0), model(3000.0)]
+    together = [model(2000.0), model(2001.0), model(2003.0)]
+    for r in apart + together:
+        assert len(r.standby_takes_s) == 1  # the wake-up, from the standby floor
+        assert r.wait_s[1] == pytest.approx(FAST.standby_s)  # a standby load, not a cold start
+        assert r.replica_s["standby"] > 0  # charged per model...
+    replenish = FAST.cold_s - FAST.standby_s
+    assert shared_standby_pool(apart, replenish) == 1
+    assert shared_standby_pool(together, replenish) == 3
+    cat, pool = catalogue(apart, "ember", TierCost(), replenish_s=replenish)
+    assert pool == 1
+    assert cat.replica_s["standby"] == pytest.approx(4000.0)  # ... but one pool for both
+    assert cat.replica_s["hot"] == sum(r.replica_s["hot"] for r in apart)
+    tc = TierCost()
+    assert cat.weighted_cost == pytest.approx(
+        tc.hot * cat.replica_s["hot"] + tc.warm * cat.replica_s["warm"] + tc.standby * 4000.0
+    )
+    assert len(cat.wait_s) == 4
