@@ -583,6 +583,9 @@ class Gateway:
                     if exc is None and task.result().status_code == 200:
                         if task is second:
                             self.controller.metrics.hedges.labels(view.name, version, "won").inc()
+                            # Outrun by a hedge: a strike against the slow replica, so a stuck
+                            # one is ejected instead of costing a hedge per request.
+                            record_failure(route)
                         return task.result(), owner[task], True
                     failure = failure or exc
                     if exc is None and not pending:
