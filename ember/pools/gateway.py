@@ -381,26 +381,7 @@ class Gateway:
                 f"version {chosen!r} of {view.name!r} has no ready replica", version=chosen
             )
         if admit:
-            inflight = sum(r.inflight_units for r in routes)
-            capacity = len(routes) * view.policy.max_batch_size * cost.cost(1)
-            calibrated = bool(view.specs.get(chosen, {}).get("cost"))
-            per_s = len(routes) * cost.capacity_units_per_s if calibrated else float("inf")
-            try:
-                self.admission.admit(
-                    tenant,
-                    units,
-                    priority,
-                    inflight,
-                    capacity,
-                    per_s,
-                    timeout_s,
-                    queue_units=QUEUE_BATCHES * capacity,
-                )
-            except BackPressure:
-                metrics.requests.labels(view.name, chosen, "shed").inc()
-                self.controller.record_demand(key, chosen, units, admitted=False)
-                raise
-            self.controller.record_demand(key, chosen, units, admitted=True)
+            self.admit(view, tenant, chosen, routes, units, priority, timeout_s)
         self.budget.deposit()
         attempts = 0
         tried: set[str] = set()
@@ -409,22 +390,7 @@ class Gateway:
         headers = {"X-Ember-Priority": priority.label}
         while True:
             attempts += 1
-            candidates = [
-                r for r in self.controller.routes(key, chosen) if r.replica_id not in tried
-            ]
-            if not candidates:
-                raise NotReady(f"no ready replica of {view.name}:{chosen} left to try")
-            # Bounded queues: at most QUEUE_BATCHES batches wait ahead of each replica.
-            per_replica = QUEUE_BATCHES * view.policy.max_batch_size * cost.cost(1)
-            candidates = [r for r in candidates if r.inflight_units + units <= per_replica]
-            if not candidates:
-                metrics.requests.labels(view.name, chosen, "shed").inc()
-                batch_s = view.policy.max_queue_delay_ms / 1000 + cost.service_s(1)
-                raise BackPressure(
-                    f"every replica of {view.name}:{chosen} has {QUEUE_BATCHES} batches queued",
-                    retry_after_s=max(1.0, QUEUE_BATCHES * batch_s),
-                    version=chosen,
-                )
+            candidates = self.candidates(view, chosen, units, tried)
             route = pick_replica(candidates, session_key)
             tried.add(route.replica_id)
             remaining_s = deadline - time.monotonic()
@@ -500,6 +466,66 @@ class Gateway:
                 hedged=hedged,
                 content=response.content,
             )
+
+    def admit(
+        self,
+        view: DeploymentView,
+        tenant: str,
+        version: str,
+        routes: list[Route],
+        units: float,
+        priority: Priority,
+        timeout_s: float,
+    ) -> None:
+        """Admission of one request of ``units`` to ``version`` (tenant budget, the class's
+        share of the replicas' queue, predicted wait); the demand is reported either way."""
+        key = (view.tenant_id, view.name)
+        cost = view.cost(version)
+        capacity = len(routes) * view.policy.max_batch_size * cost.cost(1)
+        calibrated = bool(view.specs.get(version, {}).get("cost"))
+        per_s = len(routes) * cost.capacity_units_per_s if calibrated else float("inf")
+        inflight = sum(r.inflight_units for r in routes)
+        try:
+            self.admission.admit(
+                tenant,
+                units,
+                priority,
+                inflight,
+                capacity,
+                per_s,
+                timeout_s,
+                queue_units=QUEUE_BATCHES * capacity,
+            )
+        except BackPressure:
+            self.controller.metrics.requests.labels(view.name, version, "shed").inc()
+            self.controller.record_demand(key, version, units, admitted=False)
+            raise
+        self.controller.record_demand(key, version, units, admitted=True)
+
+    def candidates(
+        self, view: DeploymentView, version: str, units: float, tried: set[str]
+    ) -> list[Route]:
+        """Ready replicas of ``version`` not tried yet with room for ``units`` in their
+        bounded queue (QUEUE_BATCHES batches each); NotReady or BackPressure if none."""
+        candidates = [
+            r
+            for r in self.controller.routes((view.tenant_id, view.name), version)
+            if r.replica_id not in tried
+        ]
+        if not candidates:
+            raise NotReady(f"no ready replica of {view.name}:{version} left to try")
+        cost = view.cost(version)
+        per_replica = QUEUE_BATCHES * view.policy.max_batch_size * cost.cost(1)
+        candidates = [r for r in candidates if r.inflight_units + units <= per_replica]
+        if not candidates:
+            self.controller.metrics.requests.labels(view.name, version, "shed").inc()
+            batch_s = view.policy.max_queue_delay_ms / 1000 + cost.service_s(1)
+            raise BackPressure(
+                f"every replica of {view.name}:{version} has {QUEUE_BATCHES} batches queued",
+                retry_after_s=max(1.0, QUEUE_BATCHES * batch_s),
+                version=version,
+            )
+        return candidates
 
     async def _await_replica(
         self, key: tuple[int, str], version: str, units: float, deadline: float

@@ -26,10 +26,10 @@ import anyio
 import httpx
 
 from ember.engine.spec import Priority
-from ember.errors import BackPressure, DeadlineExceeded, EngineError, NotFound, NotReady
+from ember.errors import DeadlineExceeded, EngineError, NotFound, NotReady
 from ember.logs import get_logger, model_context
 from ember.pools.controller import DeploymentView
-from ember.pools.gateway import QUEUE_BATCHES, RETRYABLE_STATUS, Gateway
+from ember.pools.gateway import RETRYABLE_STATUS, Gateway
 from ember.pools.router import Route, pick_replica, pick_version, record_failure, record_success
 
 log = get_logger(__name__)
@@ -216,19 +216,7 @@ class Passthrough:
             raise NotReady(
                 f"version {chosen!r} of {view.name!r} has no ready replica", version=chosen
             )
-        inflight = sum(r.inflight_units for r in routes)
-        capacity = len(routes) * view.policy.max_batch_size * cost.cost(1)
-        calibrated = bool(view.specs.get(chosen, {}).get("cost"))
-        per_s = len(routes) * cost.capacity_units_per_s if calibrated else float("inf")
-        try:
-            gateway.admission.admit(
-                tenant, units, priority, inflight, capacity, per_s, timeout_ms / 1000
-            )
-        except BackPressure:
-            controller.metrics.requests.labels(view.name, chosen, "shed").inc()
-            controller.record_demand(key, chosen, units, admitted=False)
-            raise
-        controller.record_demand(key, chosen, units, admitted=True)
+        gateway.admit(view, tenant, chosen, routes, units, priority, timeout_ms / 1000)
         gateway.budget.deposit()
         payload = body(chosen)
         attempts = 0
@@ -236,20 +224,7 @@ class Passthrough:
         with model_context(view.model, chosen, deployment=view.name):
             while True:
                 attempts += 1
-                candidates = [
-                    r for r in controller.routes(key, chosen) if r.replica_id not in tried
-                ]
-                if not candidates:
-                    raise NotReady(f"no ready replica of {view.name}:{chosen} left to try")
-                per_replica = QUEUE_BATCHES * view.policy.max_batch_size * cost.cost(1)
-                candidates = [r for r in candidates if r.inflight_units + units <= per_replica]
-                if not candidates:
-                    controller.metrics.requests.labels(view.name, chosen, "shed").inc()
-                    raise BackPressure(
-                        f"every replica of {view.name}:{chosen} is {QUEUE_BATCHES} batches deep",
-                        retry_after_s=1.0,
-                        version=chosen,
-                    )
+                candidates = gateway.candidates(view, chosen, units, tried)
                 route = pick_replica(candidates, session_key)
                 tried.add(route.replica_id)
                 remaining_s = max(0.001, deadline - time.monotonic())
