@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,11 +14,8 @@ import httpx
 import pyarrow.parquet as pq
 import pytest
 
-from ember.api.app import create_app
 from tests import services
-from tests.api.conftest import ADMIN_KEY
-from tests.gateway.conftest import Live, deploy
-from tests.jobs.conftest import Platform, RedisProc, job_settings, worker_env
+from tests.jobs.conftest import Platform, live_platform
 
 MODEL = "scorer"
 DELAY_S = 0.02
@@ -92,44 +86,17 @@ def platform(
         Bucket=BUCKET
     )
     tmp = tmp_path_factory.mktemp("batch")
-    data_dir = tmp / "data"
-    data_dir.mkdir()
-    redis = RedisProc(tmp)
-    redis.start()
+    env = {f"EMBER_{k.upper()}": str(v) for k, v in BATCH.items()}
+    env |= {"EMBER_S3_ENDPOINT_URL": moto_endpoint, "EMBER_S3_ALLOWED_BUCKETS": BUCKET}
+    env |= {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
     s3 = {"s3_endpoint_url": moto_endpoint, "s3_allowed_buckets": [BUCKET]}
-    settings = job_settings(data_dir, redis.url, **BATCH, **s3)
-    app = create_app(settings)
-    try:
-        with services.serve_app(app) as url:
-            client = httpx.Client(
-                base_url=url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60
-            )
-            live = Live(url, client, data_dir / "objects")
-            env = worker_env(settings, url) | {
-                f"EMBER_{k.upper()}": str(v) for k, v in BATCH.items()
-            }
-            env |= {"EMBER_S3_ENDPOINT_URL": moto_endpoint, "EMBER_S3_ALLOWED_BUCKETS": BUCKET}
-            env |= {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
-            platform = BatchPlatform(app, live, settings, redis, env, tmp)
-            starting = [threading.Thread(target=platform.start_worker) for _ in range(2)]
-            for thread in starting:
-                thread.start()
-            live.register(MODEL, "1", slow_s=DELAY_S)
-            live.register(MODEL, "2", slow_s=DELAY_S)
-            deploy(live, MODEL, min_hot=1, max_replicas=1, max_batch_size=64, max_queue_delay_ms=0)
-            for thread in starting:
-                thread.join()
-            assert len(platform.live_workers()) == 2, platform.worker_logs()
-            try:
-                yield platform
-            finally:
-                for worker in platform.live_workers():
-                    worker.proc.send_signal(signal.SIGTERM)
-                for worker in platform.workers:
-                    try:
-                        worker.proc.wait(20)
-                    except subprocess.TimeoutExpired:
-                        worker.proc.kill()
-                client.close()
-    finally:
-        redis.kill()
+    with live_platform(
+        BatchPlatform,
+        tmp,
+        MODEL,
+        DELAY_S,
+        max_batch_size=64,
+        settings_extra=BATCH | s3,
+        env_extra=env,
+    ) as platform:
+        yield platform

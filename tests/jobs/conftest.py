@@ -17,9 +17,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -218,16 +219,26 @@ def worker_env(settings: Settings, api_url: str) -> dict[str, str]:
     }
 
 
-@pytest.fixture(scope="package")
-def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
-    """API + one replica of `slow` (a forward pass takes DELAY_S; max_batch_size 4, so a
-    job runs in chunks of 2) + two workers."""
-    tmp = tmp_path_factory.mktemp("jobs")
+P = TypeVar("P", bound="Platform")
+
+
+@contextmanager
+def live_platform(
+    kind: type[P],
+    tmp: Path,
+    model: str,
+    delay_s: float,
+    max_batch_size: int,
+    settings_extra: dict[str, Any] | None = None,
+    env_extra: dict[str, str] | None = None,
+) -> Iterator[P]:
+    """The API with one replica of the slow MLP ``model`` (versions 1 and 2; a forward pass
+    takes ``delay_s``), a Redis of its own and two real ``ember worker`` processes."""
     data_dir = tmp / "data"
     data_dir.mkdir()
     redis = RedisProc(tmp)
     redis.start()
-    settings = job_settings(data_dir, redis.url)
+    settings = job_settings(data_dir, redis.url, **(settings_extra or {}))
     app = create_app(settings)
     try:
         with services.serve_app(app) as url:
@@ -235,13 +246,15 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
                 base_url=url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60
             )
             live = Live(url, client, data_dir / "objects")
-            platform = Platform(app, live, settings, redis, worker_env(settings, url), tmp)
+            env = worker_env(settings, url) | (env_extra or {})
+            platform = kind(app, live, settings, redis, env, tmp)
             starting = [threading.Thread(target=platform.start_worker) for _ in range(2)]
             for thread in starting:  # workers start while the replica loads
                 thread.start()
-            live.register(MODEL, "1", slow_s=DELAY_S)
-            live.register(MODEL, "2", slow_s=DELAY_S)
-            deploy(live, MODEL, min_hot=1, max_replicas=1, max_batch_size=4, max_queue_delay_ms=0)
+            live.register(model, "1", slow_s=delay_s)
+            live.register(model, "2", slow_s=delay_s)
+            policy = {"max_batch_size": max_batch_size, "max_queue_delay_ms": 0}
+            deploy(live, model, min_hot=1, max_replicas=1, **policy)
             for thread in starting:
                 thread.join()
             assert len(platform.live_workers()) == 2, platform.worker_logs()
@@ -258,6 +271,15 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
                 client.close()
     finally:
         redis.kill()
+
+
+@pytest.fixture(scope="package")
+def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    """API + one replica of `slow` (a forward pass takes DELAY_S; max_batch_size 4, so a
+    job runs in chunks of 2) + two workers."""
+    tmp = tmp_path_factory.mktemp("jobs")
+    with live_platform(Platform, tmp, MODEL, DELAY_S, max_batch_size=4) as platform:
+        yield platform
 
 
 def since(t0: float) -> float:
