@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import mmap
 import os
 import resource
 import shutil
@@ -44,7 +43,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -292,30 +290,9 @@ def make_resident(path: Path) -> float:
 
 def odirect_gbps(path: Path, threads: int, chunk: int = 16 * 1024 * 1024) -> float:
     """Sequential O_DIRECT read of the whole file (no page cache): the disk's bandwidth."""
-    size = path.stat().st_size
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    bufs = [mmap.mmap(-1, chunk) for _ in range(threads)]  # page-aligned, as O_DIRECT wants
-    offsets = iter(range(0, size, chunk))
-    lock = threading.Lock()
-
-    def work(buf: mmap.mmap) -> None:
-        while True:
-            with lock:
-                off = next(offsets, None)
-            if off is None:
-                return
-            os.preadv(fd, [buf], off)
-
     t0 = time.perf_counter()
-    try:
-        pool = [threading.Thread(target=work, args=(b,)) for b in bufs]
-        for t in pool:
-            t.start()
-        for t in pool:
-            t.join()
-    finally:
-        os.close(fd)
-    return size / (time.perf_counter() - t0) / GB
+    nbytes = pagecache.read_direct(path, threads, chunk)
+    return nbytes / (time.perf_counter() - t0) / GB
 
 
 # --- one measurement per tier -------------------------------------------------------------

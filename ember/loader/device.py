@@ -6,8 +6,9 @@ Two sources feed it:
 
 * a **local file** (cache hit, or a file given directly): ``FilePlacement`` plans the
   data section in aligned chunks and lets ``loader_threads`` workers each read a chunk
-  and put it in place. Chunks whose pages are in the page cache (``mincore``) are read
-  through it; the others with ``O_DIRECT`` (no page-cache copy, many reads in flight).
+  and put it in place. Chunks the page cache holds (``cachestat``, else ``mincore``)
+  are read through it; the others with ``O_DIRECT`` into huge-page memory (no
+  page-cache copy, 4 MiB requests, several in flight).
 * a **stream of chunks** from the object store during a cache fill: ``StreamPlacement``
   copies each chunk into place as it arrives.
 
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import bisect
 import ctypes
-import mmap
 import os
 import queue
 import threading
@@ -40,16 +40,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ember.errors import ArtifactError, LoaderError, ObjectChanged
-from ember.loader.pagecache import DIRECT_ALIGN, PAGE, open_direct, resident_pages
+from ember.loader.pagecache import (
+    DIRECT_ALIGN,
+    PAGE,
+    cached_pages,
+    host_buffer,
+    open_direct,
+    populate_range,
+    resident_pages,
+)
 from ember.loader.safetensors import PREFIX_BYTES, Header, TensorSpec
 from ember.logs import submit_in_context
 
 if TYPE_CHECKING:
     import torch
-
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+; faults a range in far faster than touching it
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def torch_dtypes() -> dict[str, torch.dtype]:
@@ -94,10 +98,8 @@ class StagingPool:
                 start = (-raw.data_ptr()) % PAGE
                 slot = raw[start : start + slot_bytes]
                 self._keep.append(raw)
-            else:
-                mm = mmap.mmap(-1, slot_bytes)  # page-aligned, as O_DIRECT needs
-                self._keep.append(mm)
-                slot = torch.frombuffer(mm, dtype=torch.uint8)
+            else:  # huge pages: O_DIRECT reads into them go to the disk as 4 MiB requests
+                slot = torch.frombuffer(host_buffer(slot_bytes, populate=True), dtype=torch.uint8)
             slot.fill_(0)  # fault every page in now, not during a load
             self.slots.append(slot)
             self._free.put(i)
@@ -185,9 +187,8 @@ def allocate(header: Header, device: torch.device, *, whole_file: bool) -> Desti
 def _aligned_host_buffer(nbytes: int) -> torch.Tensor:
     import torch
 
-    mm = mmap.mmap(-1, max(nbytes, PAGE))
-    buf = torch.frombuffer(mm, dtype=torch.uint8)  # the tensor keeps the mapping alive
-    return buf[:nbytes]
+    # 2 MiB aligned, huge pages asked for; each chunk is faulted in by its reader.
+    return torch.frombuffer(host_buffer(max(nbytes, PAGE)), dtype=torch.uint8)[:nbytes]
 
 
 def into(header: Header, targets: Mapping[str, torch.Tensor]) -> Destinations:
@@ -290,6 +291,8 @@ class FilePlacement:
         ]
         self.bytes_direct = 0
         self.bytes_buffered = 0
+        self._resident: bytearray | None = None
+        self._resident_lock = threading.Lock()
 
     def _data_range(self, lo: int, hi: int) -> tuple[int, int]:
         off = self.header.data_offset
@@ -300,7 +303,6 @@ class FilePlacement:
         done(self.plan.count([self._data_range(lo, hi) for lo, hi in self.chunks]))
         if not self.chunks:
             return
-        resident = resident_pages(self.path)
         fd = os.open(self.path, os.O_RDONLY)
         dfd = open_direct(self.path) if self.direct_io else None
         pool = None
@@ -313,7 +315,7 @@ class FilePlacement:
             take = threading.Lock()
 
             def worker() -> None:
-                streams = _Worker(self, fd, dfd, resident, pool, done)
+                streams = _Worker(self, fd, dfd, pool, done)
                 try:
                     while True:
                         with take:
@@ -339,28 +341,42 @@ class FilePlacement:
     def _slots_per_worker(self) -> int:
         return 2 if self.dest.device.type == "cuda" else 1
 
-    def resident(self, resident: bytearray, lo: int, hi: int) -> bool:
-        pages = resident[lo // PAGE : -(-hi // PAGE)]
-        return all(p & 1 for p in pages)
+    def resident(self, fd: int, lo: int, hi: int) -> bool:
+        """Whether file bytes ``[lo, hi)`` are all in the page cache: ``cachestat`` for
+        the chunk, else ``mincore`` over the whole file, asked once per load."""
+        first, last = lo // PAGE, -(-hi // PAGE)
+        cached = cached_pages(fd, first * PAGE, (last - first) * PAGE)
+        if cached is not None:
+            return cached >= last - first
+        with self._resident_lock:
+            if self._resident is None:
+                self._resident = resident_pages(self.path)
+        return 0 not in self._resident[first:last].translate(_BIT0)
+
+
+_BIT0 = bytes(b & 1 for b in range(256))  # mincore: only bit 0 of each byte is defined
 
 
 class _Worker:
-    """One placement thread: its slots, its CUDA stream, and copies not yet confirmed."""
+    """One placement thread: its slots, its CUDA stream, and copies not yet confirmed.
+
+    A chunk the page cache holds whole is read through it (one kernel copy per byte);
+    any other chunk with ``O_DIRECT`` (a DMA into huge-page memory, no page-cache copy).
+    ``RWF_NOWAIT`` reads were tried for "the cached prefix, then O_DIRECT": they start
+    readahead of the missing pages, so a cold chunk was read from the disk twice.
+    """
 
     def __init__(
         self,
         owner: FilePlacement,
         fd: int,
         dfd: int | None,
-        resident: bytearray,
         pool: StagingPool | None,
         done: Done,
     ) -> None:
         import torch
 
-        self.o, self.fd, self.dfd, self.resident, self.pool, self.done = (
-            owner, fd, dfd, resident, pool, done
-        )  # fmt: skip
+        self.o, self.fd, self.dfd, self.pool, self.done = owner, fd, dfd, pool, done
         self.cuda = owner.dest.device.type == "cuda"
         self.stream = torch.cuda.Stream(owner.dest.device) if self.cuda else None  # type: ignore[no-untyped-call]
         # CUDA: (event, slot, data range) of copies in flight, confirmed before slot reuse.
@@ -368,7 +384,7 @@ class _Worker:
 
     def place(self, lo: int, hi: int) -> None:
         o = self.o
-        use_direct = self.dfd is not None and not o.resident(self.resident, lo, hi)
+        use_direct = self.dfd is not None and not o.resident(self.fd, lo, hi)
         if o.dest.whole is not None:
             self._read_whole(lo, hi, use_direct)
             self._arrived(lo, hi)
@@ -393,36 +409,34 @@ class _Worker:
             if got < expect:
                 bufs = _advance(bufs, n)
 
-    def _read_direct(self, target: memoryview, lo: int, hi: int) -> None:
-        """O_DIRECT read of [lo, hi) into an aligned target (length rounded up to 4 KiB)."""
-        assert self.dfd is not None
-        want = _align_up(hi - lo)
-        try:
-            n = os.preadv(self.dfd, [target[:want]], lo)
-        except OSError:  # the filesystem refused this O_DIRECT read: read it buffered
-            self._read(self.fd, [target[: hi - lo]], lo, hi - lo)
-            self.o.bytes_buffered += hi - lo
-            return
-        if n < hi - lo:  # short: finish through the page cache (never past the file end)
-            self._read(self.fd, [target[n : hi - lo]], lo + n, hi - lo - n)
-        self.o.bytes_direct += hi - lo
+    def _read_any(self, target: memoryview, lo: int, hi: int, use_direct: bool) -> None:
+        """[lo, hi) into an aligned target: O_DIRECT (length rounded up to 4 KiB) or
+        through the page cache."""
+        if use_direct:
+            assert self.dfd is not None
+            try:
+                n = os.preadv(self.dfd, [target[: _align_up(hi - lo)]], lo)
+            except OSError:  # the filesystem refused this O_DIRECT read: read it buffered
+                n = 0
+            else:
+                self.o.bytes_direct += min(n, hi - lo)
+            if n >= hi - lo:
+                return
+            lo, target = lo + n, target[n:]  # short: finish through the page cache
+        self._read(self.fd, [target[: hi - lo]], lo, hi - lo)
+        self.o.bytes_buffered += hi - lo
 
     def _read_whole(self, lo: int, hi: int, use_direct: bool) -> None:
         whole = self.o.dest.whole
         assert whole is not None
         base = self.o.dest.base
-        view = whole.numpy().data[lo - base :]
         # Fault the fresh pages in with one call (several times faster than letting the
         # read fault them one by one); ctypes drops the GIL, so workers do it in parallel.
-        _libc.madvise(whole.data_ptr() + lo - base, _align_up(hi - lo), _MADV_POPULATE_WRITE)
-        if use_direct:
-            self._read_direct(view, lo, hi)
-        else:
-            self._read(self.fd, [view[: hi - lo]], lo, hi - lo)
-            self.o.bytes_buffered += hi - lo
+        populate_range(whole.data_ptr() + lo - base, _align_up(hi - lo))
+        self._read_any(whole.numpy().data[lo - base :], lo, hi, use_direct)
 
     def _read_into_host(self, lo: int, hi: int) -> None:
-        """Resident chunk, CPU destinations: one preadv straight into the tensors."""
+        """Cached chunk, CPU destinations: one preadv straight into the tensors."""
         off = self.o.header.data_offset
         d0, d1 = self.o._data_range(lo, hi)
         bufs = [
@@ -438,13 +452,8 @@ class _Worker:
         assert pool is not None
         slot_index = pool.acquire()
         slot = pool.slots[slot_index]
-        view = slot.numpy().data
         try:
-            if use_direct:
-                self._read_direct(view, lo, hi)
-            else:
-                self._read(self.fd, [view[: hi - lo]], lo, hi - lo)
-                self.o.bytes_buffered += hi - lo
+            self._read_any(slot.numpy().data, lo, hi, use_direct)
             data = self.o._data_range(lo, hi)
             _copy_out(self.o.plan, self.o.dest, slot, lo - self.o.header.data_offset, data,
                       self.stream)  # fmt: skip

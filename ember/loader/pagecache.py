@@ -17,6 +17,10 @@ PAGE = mmap.PAGESIZE
 #: O_DIRECT needs offsets, lengths and buffer addresses aligned to the logical block size;
 #: 4 KiB covers every device we run on (512-byte and 4K-native).
 DIRECT_ALIGN = 4096
+#: Transparent huge page size (x86-64 and most arm64 kernels).
+HUGE_PAGE = 2 * 1024 * 1024
+_MADV_HUGEPAGE = 14
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+; faults a range in far faster than touching it
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mmap.argtypes = [
@@ -30,7 +34,39 @@ _libc.mmap.argtypes = [
 _libc.mmap.restype = ctypes.c_void_p
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def host_buffer(nbytes: int, *, populate: bool = False) -> memoryview:
+    """``nbytes`` of private anonymous memory, 2 MiB aligned, transparent huge pages asked
+    for (``MADV_HUGEPAGE``). The view keeps the mapping alive.
+
+    Why it matters: an ``O_DIRECT`` read is built from the buffer's physical segments, and
+    a block device takes a bounded number of segments per request (virtio: ~254). On 4 KiB
+    pages that caps a request near 1 MiB — measured here, 0.5-0.9 GB/s from a disk that
+    gives 2.6-2.9 GB/s to the same reads into huge pages (4 MiB requests). Copies out of
+    huge pages also miss the TLB far less. Where the kernel has no huge page to give, the
+    memory is ordinary pages and everything still works, only slower.
+    (``mmap.mmap(-1, n)`` is a *shared* mapping — shmem — which gets no huge pages.)
+    """
+    size = max(nbytes, 1)
+    mm = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    anchor = ctypes.c_char.from_buffer(mm)
+    addr = ctypes.addressof(anchor)
+    del anchor  # the export must not outlive this call (the view below keeps ``mm``)
+    skip = (-addr) % HUGE_PAGE
+    _libc.madvise(addr + skip, size, _MADV_HUGEPAGE)  # advisory: a refusal is harmless
+    if populate:
+        populate_range(addr + skip, size)
+    return memoryview(mm)[skip : skip + nbytes]
+
+
+def populate_range(addr: int, nbytes: int) -> None:
+    """Fault ``[addr, addr + nbytes)`` in for writing with one call (huge pages where the
+    range allows). ctypes releases the GIL, so threads populate in parallel. Kernels
+    before 5.14 refuse it: the pages then fault in on first write instead."""
+    _libc.madvise(addr, nbytes, _MADV_POPULATE_WRITE)
 
 
 def resident_pages(path: Path | str) -> bytearray:
@@ -58,6 +94,36 @@ def resident_pages(path: Path | str) -> bytearray:
         os.close(fd)
 
 
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [
+        (n, ctypes.c_uint64)
+        for n in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")
+    ]
+
+
+_SYS_CACHESTAT = 451  # the same number on x86-64 and arm64 (Linux 6.5+)
+_libc.syscall.restype = ctypes.c_long
+_cachestat_works = True
+
+
+def cached_pages(fd: int, offset: int, length: int) -> int | None:
+    """How many pages of ``[offset, offset + length)`` are in the page cache (``cachestat``:
+    a walk of the cache itself, several times cheaper than mapping the file for
+    ``mincore``), or ``None`` where the kernel lacks it (before 6.5)."""
+    global _cachestat_works
+    if not _cachestat_works:
+        return None
+    rng, out = _CachestatRange(offset, length), _Cachestat()
+    if _libc.syscall(_SYS_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(out), 0) != 0:
+        _cachestat_works = False  # ENOSYS (old kernel) or a seccomp refusal: use mincore
+        return None
+    return int(out.nr_cache)
+
+
 def resident_fraction(path: Path | str) -> float:
     vec = resident_pages(path)
     return sum(b & 1 for b in vec) / len(vec) if vec else 1.0
@@ -82,3 +148,35 @@ def open_direct(path: Path | str) -> int | None:
         return os.open(path, os.O_RDONLY | flag)
     except OSError:
         return None
+
+
+def read_direct(path: Path | str, threads: int = 4, chunk: int = 16 * 1024 * 1024) -> int:
+    """Read the whole file with ``O_DIRECT`` by ``threads`` threads, sequential ``chunk``
+    reads into huge-page buffers; returns the bytes read. The benches time this as the
+    disk's limit (the best the loader could do with no copy at all)."""
+    import threading
+
+    size = os.path.getsize(path)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    bufs = [host_buffer(chunk, populate=True) for _ in range(threads)]
+    offsets = iter(range(0, size, chunk))
+    lock = threading.Lock()
+    got = [0] * threads
+
+    def work(i: int) -> None:
+        while True:
+            with lock:
+                off = next(offsets, None)
+            if off is None:
+                return
+            got[i] += os.preadv(fd, [bufs[i]], off)
+
+    try:
+        pool = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+    finally:
+        os.close(fd)
+    return sum(got)
