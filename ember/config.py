@@ -94,6 +94,13 @@ class Settings(BaseSettings):
     """A probe slower than this counts as failed."""
     probe_failures: int = Field(2, ge=1)
     """Consecutive failed probes before a replica is killed and replaced."""
+    scale_idle_hold_s: float = Field(10.0, gt=0, le=86_400)
+    """No requests for this long: a deployment's hot replicas above its ``min_hot`` floor
+    are demoted to warm (one tier at a time)."""
+    scale_warm_keep_s: float = Field(600.0, gt=0, le=7 * 86_400)
+    """A ``scale_to_zero`` deployment keeps one warm replica this long after its last
+    request (longer where its daily profile expects requests); then it holds none, and
+    the next request wakes it (from a standby process where one is free)."""
     tenant_units_per_s: float = Field(10_000.0, gt=0)
     """Each tenant's admission budget in model units per second."""
     tenant_burst_units: float = Field(20_000.0, gt=0)
@@ -103,6 +110,46 @@ class Settings(BaseSettings):
     vllm_executable: Path | None = None
     """The ``ember`` executable that runs vLLM replicas (a virtualenv with vLLM). Unset:
     ``.venv-vllm/bin/ember`` beside the API's virtualenv if it exists, else the API's own."""
+    replica_backend: Literal["local", "kubernetes"] = "local"
+    """Where the pools controller runs replicas: ``local`` processes on this machine, or
+    ``kubernetes`` Deployments in ``EMBER_K8S_NAMESPACE`` (see "Running on Kubernetes")."""
+    k8s_namespace: str = Field("ember", pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+    """Namespace of the replicas' Deployments and pods, and of the controller's Lease."""
+    k8s_image: str | None = None
+    """Container image of the replicas (the Ember image, e.g. the ECR repository URL with
+    a tag). Required with ``EMBER_REPLICA_BACKEND=kubernetes``."""
+    k8s_kubeconfig: Path | None = None
+    """Kubeconfig file of the cluster. Unset: the in-cluster service account when running
+    in a pod, else ``~/.kube/config``."""
+    k8s_context: str | None = None
+    """Kubeconfig context to use. Unset: the file's current context."""
+    k8s_standby_accelerators: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["cpu"]
+    )
+    """Hardware types that keep standby pods (comma-separated GPU types, the nodes'
+    ``ember.dev/accelerator`` label, or ``cpu``); each keeps ``EMBER_STANDBY_REPLICAS``."""
+    k8s_standby_cpu_cores: float = Field(4.0, gt=0, le=256)
+    """CPU request and limit of a standby pod; a version whose placement asks for more
+    starts cold instead of taking one."""
+    k8s_standby_memory_gib: float = Field(32.0, gt=0, le=4096)
+    """Memory request and limit of a standby pod (likewise)."""
+    k8s_service_account: str = "ember-engine"
+    """Service account of the replica pods (its IRSA role reads the artifacts)."""
+    k8s_config_map: str = "ember-config"
+    """ConfigMap whose ``EMBER_*`` keys every replica pod gets (optional: may not exist)."""
+    k8s_replica_port: int = Field(9000, ge=1, le=65535)
+    """Container port of the replicas' internal API."""
+    k8s_pending_timeout_s: float = Field(600.0, gt=0)
+    """A replica pod not running after this long (no node with capacity, image not
+    pulled) is reported failed with the pod's reason, counted, and replaced."""
+    k8s_termination_grace_s: int = Field(60, ge=1, le=3600)
+    """Grace a stopped replica pod has to finish in-flight requests before SIGKILL."""
+    k8s_lease_name: str = Field("ember-pools", pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+    """Lease (``coordination.k8s.io/v1``) that elects the one acting pools controller among
+    the API replicas."""
+    k8s_lease_duration_s: float = Field(15.0, ge=2, le=300)
+    """How long a leader's lease lasts without renewal; another API replica takes over
+    after it (renewed every third of it)."""
     response_cache_entries: int = Field(4096, ge=0, le=10_000_000)
     """Entries of the in-process front of the response cache (Redis holds the rest);
     0 keeps every entry in Redis only."""
@@ -218,7 +265,7 @@ class Settings(BaseSettings):
     batch_max_attempts: int = Field(5, ge=1, le=100)
     """Attempts per shard before the shard (and its run) fails."""
 
-    @field_validator("file_roots", "s3_allowed_buckets", mode="before")
+    @field_validator("file_roots", "s3_allowed_buckets", "k8s_standby_accelerators", mode="before")
     @classmethod
     def _csv(cls, value: object) -> object:
         return _split_csv(value)
@@ -268,6 +315,17 @@ class Settings(BaseSettings):
             raise ValueError(
                 "EMBER_JOBS_VISIBILITY_TIMEOUT_S must exceed EMBER_JOBS_TIMEOUT_S "
                 f"({self.jobs_visibility_timeout_s:g} <= {self.jobs_timeout_s:g})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _kubernetes_needs_an_image(self) -> Settings:
+        if self.replica_backend == "kubernetes" and not self.k8s_image:
+            raise ValueError("EMBER_REPLICA_BACKEND=kubernetes needs EMBER_K8S_IMAGE")
+        if self.replica_backend == "kubernetes" and self.cache_dir is None:
+            raise ValueError(
+                "EMBER_REPLICA_BACKEND=kubernetes needs EMBER_CACHE_DIR: the nodes' NVMe "
+                "cache path (terraform output ember_config)"
             )
         return self
 

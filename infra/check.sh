@@ -212,10 +212,13 @@ k8s() {
   local rc=0 overlay=$WORK/k8s/overlays/aws v
   mkdir -p "$WORK/k8s"
   cp -r "$K8S_DIR/base" "$K8S_DIR/overlays" "$K8S_DIR/cluster-addons" "$WORK/k8s/"
-  # The aws overlay needs the env files render-env.sh writes from Terraform: stand-ins.
-  cp "$K8S_DIR/base/ember-config.env" "$overlay/ember-config.env"
-  { cat "$K8S_DIR/base/ember-infra.env"
-    echo "IMAGE=123456789012.dkr.ecr.us-east-1.amazonaws.com/ember:0.1.0"; } > "$overlay/ember-infra.env"
+  # The aws overlay needs the env files render-env.sh writes from Terraform: stand-ins,
+  # with other values than the base's, so that a value the overlay fails to substitute
+  # shows up in check_manifests.py --overlay.
+  sed -e 's/123456789012/210987654321/g' "$K8S_DIR/base/ember-config.env" > "$overlay/ember-config.env"
+  { sed -e 's/123456789012/210987654321/g' -e 's/^GPU_TYPES=.*/GPU_TYPES=nvidia-h100,nvidia-l40s/' \
+      "$K8S_DIR/base/ember-infra.env"
+    echo "IMAGE=210987654321.dkr.ecr.us-east-1.amazonaws.com/ember:0.2.0"; } > "$overlay/ember-infra.env"
   printf '%s\n' "EMBER_ADMIN_KEY=0123456789abcdef0123456789abcdef" \
     "EMBER_DATABASE_URL=postgresql+psycopg://ember:pw@db.example:5432/ember?sslmode=require" \
     "EMBER_REDIS_URL=rediss://:token@redis.example:6379/0" > "$overlay/ember-secrets.env"

@@ -83,17 +83,28 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
 
 
 def start_pools(settings: Settings, engine: Engine) -> Gateway:
-    """The pools controller (local process replicas) and the gateway in front of it."""
+    """The pools controller (local processes or Kubernetes pods) and the gateway in front."""
     from ember.pools.admission import Admission
-    from ember.pools.backends.local import LocalProcessBackend
+    from ember.pools.backends import create_backend, standby_pool
     from ember.pools.cache import ResponseCache
     from ember.pools.controller import PoolsController, ProbeSettings
     from ember.pools.gateway import Gateway
+    from ember.pools.leader import election_for
     from ember.pools.predlog import PredictionLog
 
     probe = ProbeSettings(settings.probe_idle_s, settings.probe_timeout_s, settings.probe_failures)
-    controller = PoolsController(engine, LocalProcessBackend(settings),
-                                 standby_pool=settings.standby_replicas, probe=probe)  # fmt: skip
+    backend = create_backend(settings)  # local processes, or Kubernetes with a Lease
+    controller = PoolsController(
+        engine,
+        backend,
+        standby_pool=standby_pool(settings),
+        probe=probe,
+        leader=election_for(settings, backend),
+        autoscale={
+            "idle_hold_s": settings.scale_idle_hold_s,
+            "warm_keep_s": settings.scale_warm_keep_s,
+        },
+    )
     controller.start()
     admission = Admission(settings.tenant_units_per_s, settings.tenant_burst_units)
     cache = ResponseCache(

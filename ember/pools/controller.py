@@ -7,6 +7,11 @@ replicas through ``/healthz`` (killing and replacing those that stop answering),
 what is missing (taking a standby process when one is ready), retires versions that no
 longer get traffic once the new ones are ready, and keeps a small standby pool.
 All process calls go through the ``ReplicaBackend``.
+
+With a leader election (several API replicas on a cluster), only the elected controller
+acts; the others follow — they keep the routing table from the replicas the backend
+observes and change nothing. A newly elected controller adopts the replicas that exist
+instead of starting its own.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from sqlalchemy import Engine
@@ -35,7 +40,12 @@ from ember.pools.autoscaler import (
     TierCounts,
     ember_autoscaler,
 )
-from ember.pools.backends.base import LaunchOptions, ReplicaBackend, ReplicaHandle
+from ember.pools.backends.base import (
+    LaunchOptions,
+    ObservedReplica,
+    ReplicaBackend,
+    ReplicaHandle,
+)
 from ember.pools.metrics import PoolMetrics
 from ember.pools.router import Route
 from ember.registry import catalog
@@ -43,7 +53,13 @@ from ember.registry.db import session_scope
 from ember.registry.schemas import PoolPolicy
 from ember.registry.tables import BatchRun, Deployment, Model, ModelVersion, VersionStatus
 
+if TYPE_CHECKING:
+    from ember.pools.leader import LeaseElection
+
 log = get_logger(__name__)
+
+WAKE_HOLD_S = 60.0
+"""A woken scale-to-zero version is wanted hot this long while its replica starts."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +88,8 @@ class ManagedReplica:
     route: Route | None = None
     replaces: str | None = None
     detected_after_s: float | None = None
+    adopted: bool = False
+    """Found running (a follower's view, or taken over on election), not launched here."""
 
     def public(self) -> dict[str, Any]:
         return {
@@ -128,9 +146,14 @@ class PoolsController:
         probe: ProbeSettings | None = None,
         tick_s: float = 0.25,
         max_restarts: int = 3,
+        leader: LeaseElection | None = None,
+        autoscale: dict[str, float] | None = None,
     ) -> None:
         self.db = db
         self.backend = backend
+        self.leader = leader
+        self.leading = leader is None
+        self._lease_checked = -math.inf
         self.standby_pool = standby_pool
         self.probe_settings = probe or ProbeSettings()
         self.tick_s = tick_s
@@ -140,6 +163,7 @@ class PoolsController:
         self.failures: dict[tuple[tuple[int, str], str], int] = {}
         self.events: list[dict[str, Any]] = []
         self.metrics = PoolMetrics()
+        backend.register_metrics(self.metrics.registry)
         self.hardware = hardware_key("cpu")
         self._http = httpx.AsyncClient(timeout=self.probe_settings.timeout_s)
         self._task: asyncio.Task[None] | None = None
@@ -151,6 +175,13 @@ class PoolsController:
         self.demand: dict[tuple[tuple[int, str], str], list[float]] = {}
         self.startup_s: list[float] = []
         self.autoscale_every_s = 1.0
+        self.autoscale_knobs = dict(autoscale or {})
+        """EmberConfig knobs for every deployment (``idle_hold_s``, ``warm_keep_s``)."""
+        # Scale-to-zero deployments woken by a request while they held no replica: the
+        # version is wanted hot (at least one) until this monotonic time — a start's worth,
+        # then, once ready, the idle hold — after which the autoscaler, having seen the
+        # demand, decides.
+        self.woken: dict[tuple[tuple[int, str], str], float] = {}
         self.registry_every_s = 1.0
         self._last_read = -math.inf
         self._last_step = time.monotonic()
@@ -170,25 +201,28 @@ class PoolsController:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        for replica in list(self.replicas.values()):
-            await asyncio.to_thread(self.backend.stop, replica.handle, 5.0)
+        if self.backend.replicas_outlive_controller:  # a successor adopts them
+            if self.leader is not None and self.leading:
+                await asyncio.to_thread(self.leader.release)
+            await asyncio.to_thread(self.backend.close)
+        else:
+            for replica in list(self.replicas.values()):
+                await asyncio.to_thread(self.backend.stop, replica.handle, 5.0)
         await self._http.aclose()
 
     async def _run(self) -> None:
         while True:
             try:
-                await self.reconcile()
+                if await self._lead():
+                    await self.reconcile()
+                else:
+                    await self._follow()
             except Exception:  # a bad tick must not stop the controller
                 log.exception("reconcile failed")
             await asyncio.sleep(self.tick_s)
 
     async def reconcile(self) -> None:
-        now = time.monotonic()
-        if now - self._last_read >= self.registry_every_s:  # policy changes apply within 1 s
-            self._last_read = now
-            self.deployments = await asyncio.to_thread(self._read_registry)
-            if self.async_demand is not None:
-                self.async_queued = await asyncio.to_thread(self.async_demand)
+        await self._read_if_due()
         self._reap_exited()
         await self._check_starting()
         await self._probe_idle()
@@ -197,6 +231,86 @@ class PoolsController:
         await self._retire()
         self._keep_standby()
         self.metrics.observe(self)
+
+    def refresh(self) -> None:
+        """Re-read the registry now (blocking: call it from a thread), e.g. right after an
+        API call changed a deployment, so the next request routes by the change."""
+        self.deployments = self._read_registry()
+        self._last_read = time.monotonic()
+
+    async def _read_if_due(self) -> None:
+        now = time.monotonic()
+        if now - self._last_read >= self.registry_every_s:  # policy changes apply within 1 s
+            self._last_read = now
+            self.deployments = await asyncio.to_thread(self._read_registry)
+            if self.async_demand is not None:
+                self.async_queued = await asyncio.to_thread(self.async_demand)
+
+    # --- leadership (only with a leader election) ---------------------------------------
+
+    async def _lead(self) -> bool:
+        """Whether this controller acts now: always without an election; else while it
+        holds the Lease (renewed every third of its duration)."""
+        if self.leader is None:
+            return True
+        if time.monotonic() - self._lease_checked >= self.leader.renew_every_s:
+            self._lease_checked = time.monotonic()
+            leading = await asyncio.to_thread(self.leader.step)
+        else:
+            leading = self.leader.is_leader
+        if leading and not self.leading:
+            await self._adopt()
+        elif self.leading and not leading:
+            self._abdicate()
+        self.leading = leading
+        return leading
+
+    async def _adopt(self) -> None:
+        """Elected: act for the replicas that exist (observed state), restarting none."""
+        self._sync_observed(await asyncio.to_thread(self.backend.adopt), prune=True)
+        self.demand.clear()  # what followers counted is no one interval's demand
+        self._last_step = time.monotonic()
+        log.info("pools controller elected: acting", adopted=len(self.replicas))
+
+    def _abdicate(self) -> None:
+        """Lost the Lease: stop acting at once (another controller may act already)."""
+        for task in list(self._assigning):
+            task.cancel()
+        log.warning("pools controller lost its lease: following")
+
+    async def _follow(self) -> None:
+        """Not elected: keep the routing table from the replicas the backend observes
+        (routed once the pod is Ready and the replica says hot); change nothing."""
+        await self._read_if_due()
+        observed = self.backend.observe()
+        self._sync_observed(observed, prune=True)
+        ready = {o.handle.replica_id for o in observed if o.ready}
+        for replica in self.replicas.values():
+            if replica.state == "ready" and replica.handle.replica_id not in ready:
+                replica.state, replica.route = "starting", None  # demoted, draining, unready
+        await asyncio.gather(
+            *(
+                self._check_one(r)
+                for r in self.replicas.values()
+                if r.state == "starting" and r.handle.replica_id in ready
+            )
+        )
+        self.metrics.observe(self)
+
+    def _sync_observed(self, observed: list[ObservedReplica], prune: bool) -> None:
+        """Track replicas found in the backend (``starting`` until ``/info`` tells their
+        state); with ``prune``, forget tracked ones that are no longer there."""
+        seen = set()
+        for o in observed:
+            seen.add(o.handle.replica_id)
+            if o.handle.replica_id not in self.replicas:
+                key, tier = (o.tenant_id, o.deployment), "hot" if o.deployment else "standby"
+                replica = ManagedReplica(o.handle, key, o.model, o.version, tier=tier)
+                replica.adopted = True
+                self.replicas[o.handle.replica_id] = replica
+        if prune:
+            for replica_id in set(self.replicas) - seen:
+                self.replicas.pop(replica_id)
 
     # --- registry -----------------------------------------------------------------------
 
@@ -254,7 +368,8 @@ class PoolsController:
 
     def _fail(self, replica: ManagedReplica, reason: str) -> None:
         replica.state, replica.reason = "failed", reason
-        self.backend.kill(replica.handle)  # nothing to drain, and a hung one gets no grace
+        if self.leading:  # a follower only forgets it; the acting controller replaces it
+            self.backend.kill(replica.handle)  # nothing to drain, a hung one gets no grace
         self.replicas.pop(replica.handle.replica_id, None)
         if replica.key[1]:
             key = (replica.key, replica.version)
@@ -263,10 +378,13 @@ class PoolsController:
 
     def _reap_exited(self) -> None:
         for replica in list(self.replicas.values()):
+            if replica.state == "draining":  # being stopped: its exit is the plan, no failure
+                continue
             status = self.backend.exited(replica.handle)
             if status is not None:
                 self.metrics.replaced.labels(reason="exited").inc()
-                self._fail(replica, f"process exited with status {status}")
+                reason = self.backend.exit_reason(replica.handle)
+                self._fail(replica, reason or f"process exited with status {status}")
 
     async def _check_starting(self) -> None:
         starting = [r for r in self.replicas.values() if r.state == "starting"]
@@ -281,14 +399,20 @@ class PoolsController:
             self._fail(replica, info.get("failure") or "load failed")
             return
         want = "standby" if not replica.key[1] else "ready"
-        if info.get("state") == want and (want == "standby" or info.get("tier") == "hot"):
+        if replica.adopted and want == "ready" and info.get("state") == want:
+            replica.tier = str(info.get("tier") or "hot")  # a warm one stays warm
+        if info.get("state") == want and (want == "standby" or info.get("tier") == replica.tier):
             replica.state = "ready" if replica.key[1] else "standby"
             replica.ready_at = time.monotonic()
             replica.last_ok = replica.ready_at
-            if replica.key[1]:
+            if (replica.key, replica.version) in self.woken:  # serve the wake-up, then scale
+                idle_hold = self.autoscale_knobs.get("idle_hold_s", WAKE_HOLD_S)
+                self.woken[(replica.key, replica.version)] = replica.ready_at + idle_hold
+            if replica.key[1] and replica.tier == "hot":
                 replica.route = Route(
                     replica.handle.replica_id, replica.handle.url, replica.version
                 )
+            if replica.key[1] and not replica.adopted:
                 took = replica.ready_at - replica.started_at
                 self.metrics.cold_start.labels(
                     model=replica.model, version=replica.version
@@ -333,10 +457,15 @@ class PoolsController:
 
     def desired(self, view: DeploymentView) -> dict[str, int]:
         """Hot replicas per version: the autoscaler's for production (never below the
-        floor), a proportional share for a canary."""
-        floor = max(view.policy.min_hot, 1)
+        floor), a proportional share for a canary. The floor is ``min_hot`` and at least
+        one, except for a deployment that opted out (``scale_to_zero``): it may hold no hot
+        replica (the autoscaler keeps it warm for a while, then not at all) until a
+        request wakes it."""
+        policy = view.policy
+        floor = policy.min_hot if policy.scale_to_zero else max(policy.min_hot, 1)
         key = (view.tenant_id, view.name)
         production = view.production
+        now = time.monotonic()
         out: dict[str, int] = {}
         for version, weight in view.traffic.items():
             if weight <= 0 or version not in view.specs:
@@ -345,8 +474,10 @@ class PoolsController:
             if version == production and target is not None:
                 out[version] = max(floor, target.hot)
             else:
-                out[version] = max(1, math.ceil(floor * weight / 100))
-            out[version] = min(view.policy.max_replicas, out[version])
+                out[version] = max(1 if floor else 0, math.ceil(floor * weight / 100))
+            if now < self.woken.get((key, version), -math.inf):
+                out[version] = max(out[version], 1)
+            out[version] = min(policy.max_replicas, out[version])
         # The ladder's fallback rung and versions pinned by running batch runs: one hot
         # replica each, ready.
         for version in [*view.fallback, *view.pinned]:
@@ -387,7 +518,9 @@ class PoolsController:
     ) -> TierCounts:
         scaler = self.scalers.get((key, version))
         if scaler is None:
-            config = EmberConfig.from_policy(view.policy, tick_s=self.autoscale_every_s)
+            config = EmberConfig.from_policy(
+                view.policy, tick_s=self.autoscale_every_s, **self.autoscale_knobs
+            )
             scaler = ember_autoscaler(
                 config, clock=time.monotonic, model=view.model, version=version
             )
@@ -459,9 +592,23 @@ class PoolsController:
 
     def _start(self, view: DeploymentView, version: str) -> None:
         spec = view.specs[version]
-        options = LaunchOptions(view.policy.max_batch_size, view.policy.max_queue_delay_ms)
-        standby = next((r for r in self.replicas.values() if r.state == "standby"), None)
-        if standby is not None and self.backend.standby_can_run(spec):
+        options = LaunchOptions(
+            view.policy.max_batch_size,
+            view.policy.max_queue_delay_ms,
+            tenant_id=view.tenant_id,
+            deployment=view.name,
+            placement=view.policy.placement,
+        )
+        standby = next(
+            (
+                r
+                for r in self.replicas.values()
+                if r.state == "standby" and self.backend.standby_can_take(r.handle, spec, options)
+            ),
+            None,
+        )
+        if standby is not None:
+            self.backend.assigned(standby.handle, spec, options)
             del self.replicas[standby.handle.replica_id]
             replica = ManagedReplica(
                 standby.handle, (view.tenant_id, view.name), view.model, version
@@ -547,7 +694,8 @@ class PoolsController:
                 r.key == key and r.version == v and r.state == "ready" and r.tier == "hot"
                 for r in self.replicas.values()
             )
-            for v in self.desired(view)
+            for v, want in self.desired(view).items()
+            if want > 0
         )
 
     async def _drain(self, replica: ManagedReplica, wait_s: float = 30.0) -> None:
@@ -573,13 +721,29 @@ class PoolsController:
 
     def coming(self, key: tuple[int, str], version: str) -> bool:
         """Whether a hot replica of ``version`` is on its way (starting, assigned, being
-        promoted) or could be (a warm one the autoscaler promotes on demand)."""
-        return any(
+        promoted) or could be (a warm one the autoscaler promotes on demand). A
+        ``scale_to_zero`` deployment holding nothing is woken here: a replica of the
+        version starts at the next tick."""
+        if any(
             r.key == key
             and r.version == version
             and (r.state in ("starting", "promoting") or (r.state == "ready" and r.tier == "warm"))
             for r in self.replicas.values()
-        )
+        ):
+            return True
+        view = self.deployments.get(key)
+        if (
+            view is None
+            or not view.policy.scale_to_zero
+            or version not in view.specs
+            or self.failures.get((key, version), 0) >= self.max_restarts
+        ):
+            return False
+        now = time.monotonic()
+        if self.woken.get((key, version), -math.inf) < now:
+            log.info("waking a scaled-to-zero deployment", deployment=key[1], version=version)
+            self.woken[(key, version)] = now + WAKE_HOLD_S
+        return True
 
     def routable_traffic(self, view: DeploymentView) -> dict[str, int]:
         """The deployment's weights over versions that have a ready replica; while a new

@@ -174,6 +174,24 @@ class ModelVersionPublic(Public):
 MAX_SAFE_DEFAULT_BYTES = 16_384
 
 
+class Placement(Input):
+    """Where and how big each replica runs on a cluster (the Kubernetes replica backend;
+    the local backend ignores it)."""
+
+    accelerator: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$",
+        description="GPU type: pods go to nodes labelled `ember.dev/accelerator=<this>` and "
+        "tolerate the `nvidia.com/gpu` taint (e.g. `nvidia-l40s`); null: CPU nodes.",
+    )
+    gpus: int = Field(1, ge=0, le=16, description="GPUs per replica when `accelerator` is set.")
+    cpu_cores: float = Field(2.0, gt=0, le=256, description="CPU request and limit per replica.")
+    memory_gib: float = Field(8.0, gt=0, le=4096, description="Memory request and limit.")
+    threads: int | None = Field(
+        None, ge=1, le=256, description="OMP_NUM_THREADS; null: `cpu_cores` rounded up."
+    )
+
+
 class PoolPolicy(Input):
     """How a deployment's replica pool behaves. Every field has a safe default."""
 
@@ -209,6 +227,10 @@ class PoolPolicy(Input):
         False,
         description="Send a second copy of a request still unanswered after the version's p95 "
         "latency to another replica (within the retry budget) and take the first answer.",
+    )
+    placement: Placement = Field(
+        default_factory=Placement,
+        description="GPU type, resources and threads of each replica on Kubernetes.",
     )
 
     @field_validator("safe_default")
@@ -253,6 +275,7 @@ class DeploymentUpdate(Input):
     safe_default: Any = Field(None, description="null removes the default rung.")
     log_payloads: bool | None = None
     hedge: bool | None = None
+    placement: Placement | None = None
     fallback: list[VersionName] | None = Field(None, max_length=8)
 
 

@@ -85,12 +85,14 @@ locals {
   # Values deploy/k8s substitutes into its manifests (ConfigMap `ember-infra`, which
   # kustomize `replacements` read; no process sees it).
   infra_config = {
-    API_ROLE_ARN        = module.iam.role_arns["api"]
-    WORKER_ROLE_ARN     = module.iam.role_arns["worker"]
-    CONTROLLER_ROLE_ARN = module.iam.role_arns["controller"]
-    ENGINE_ROLE_ARN     = module.iam.role_arns["replica"]
-    CLUSTER_NAME        = module.cluster.cluster_name
-    AWS_REGION          = var.region
-    APP_SECRET_ARN      = module.data.app_secret_arn
+    API_ROLE_ARN    = module.iam.role_arns["api"]
+    WORKER_ROLE_ARN = module.iam.role_arns["worker"]
+    ENGINE_ROLE_ARN = module.iam.role_arns["replica"]
+    CLUSTER_NAME    = module.cluster.cluster_name
+    AWS_REGION      = var.region
+    APP_SECRET_ARN  = module.data.app_secret_arn
+    # The GPU types of the node groups: the hardware types that keep standby pods
+    # (EMBER_K8S_STANDBY_ACCELERATORS of the API pods, which run the pools controller).
+    GPU_TYPES = join(",", sort(distinct([for g in var.gpu_node_groups : g.gpu_type])))
   }
 }

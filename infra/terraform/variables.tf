@@ -147,7 +147,7 @@ variable "admin_principal_arns" {
 }
 
 variable "cpu_node_group" {
-  description = "CPU node group for api, controller, workers and beat. See modules/cluster."
+  description = "CPU node group for api (with the pools controller), workers and beat. See modules/cluster."
   type = object({
     instance_types = list(string)
     min_size       = number

@@ -1,28 +1,80 @@
 """Ember-specific rules on rendered manifests, beyond schema validation.
 
 usage: python check_manifests.py RENDERED.yaml [--overlay]
-Exits 1 listing every violation. Run by infra/check.sh after kubernetes-validate.
+Exits 1 listing every violation. Run by infra/check.sh after kubernetes-validate, and by
+tests/infra/test_manifests.py.
+
+The replicas themselves are not here: the pools controller in the API pods renders their
+Deployments (ember/pools/backends/k8s_manifests.py; tests/kubernetes validates those). What
+is checked here is what the API pods need for it: the backend's settings, the Role that
+grants ember.pools.backends.kubernetes.API_RIGHTS, and the names the settings refer to.
 """
 
 from __future__ import annotations
 
+import ast
 import sys
+from pathlib import Path
 from typing import Any
 
 import yaml
 
+BACKEND = Path(__file__).resolve().parents[3] / "ember" / "pools" / "backends" / "kubernetes.py"
+
 CACHE_DIR = "/mnt/nvme/ember-cache"
-PROCESSES = {"api": "serve", "controller": "controller", "worker": "worker", "beat": "beat"}
+PROCESSES = {"api": "serve", "worker": "worker", "beat": "beat"}
+"""Every Ember process kind with its Deployment; the pools controller runs in `ember serve`."""
+ROLES = {"ember-api": "API_ROLE_ARN", "ember-worker": "WORKER_ROLE_ARN",
+         "ember-engine": "ENGINE_ROLE_ARN"}  # fmt: skip
+"""Service accounts with an IRSA role, and the ember-infra key of its ARN."""
+POOLS = {"EMBER_REPLICA_BACKEND", "EMBER_K8S_IMAGE", "EMBER_K8S_NAMESPACE",
+         "EMBER_K8S_SERVICE_ACCOUNT", "EMBER_K8S_CONFIG_MAP", "EMBER_K8S_STANDBY_ACCELERATORS",
+         "EMBER_STANDBY_REPLICAS"}  # fmt: skip
+"""Settings of the pools controller's Kubernetes backend the API pods must be given."""
 
 
 def pod_specs(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    specs = {}
-    for d in docs:
-        if d["kind"] == "Deployment":
-            specs[d["metadata"]["name"]] = d["spec"]["template"]["spec"]
-        elif d["kind"] == "PodTemplate":
-            specs[d["metadata"]["name"]] = d["template"]["spec"]
-    return specs
+    return {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in docs
+            if d["kind"] == "Deployment"}  # fmt: skip
+
+
+def backend_rights(path: Path = BACKEND) -> set[tuple[str, str, str]]:
+    """``API_RIGHTS`` of the Kubernetes backend: (API group, resource, verb) of every call
+    it and the Lease election make. Read from the source, so that this script needs no
+    Ember install (infra/check.sh runs it in .venv-infra)."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "API_RIGHTS":
+            assert isinstance(node.value, ast.Call) and node.value.args
+            return set(ast.literal_eval(node.value.args[0]))
+    raise LookupError(f"API_RIGHTS not found in {path}")
+
+
+def generated(by_kind: dict[str, dict[str, dict[str, Any]]], kind: str, name: str) -> Any:
+    """The object ``name`` of ``kind``, under its own or its hash-suffixed name."""
+    objs = by_kind.get(kind, {})
+    if name in objs:
+        return objs[name]
+    return next((o for n, o in objs.items() if n.rsplit("-", 1)[0] == name), None)
+
+
+def role_rights(docs: list[dict[str, Any]], account: str) -> set[tuple[str, str, str]]:
+    """(API group, resource, verb) the Roles and ClusterRoles bound to service account
+    ``account`` grant ("*" stays "*": never what the backend uses, so reported as extra)."""
+    roles = {(d["kind"], d["metadata"]["name"]): d for d in docs
+             if d["kind"] in ("Role", "ClusterRole")}  # fmt: skip
+    rights: set[tuple[str, str, str]] = set()
+    for b in docs:
+        if b["kind"] not in ("RoleBinding", "ClusterRoleBinding"):
+            continue
+        if not any(s.get("kind") == "ServiceAccount" and s.get("name") == account
+                   for s in b.get("subjects", [])):  # fmt: skip
+            continue
+        role = roles.get((b["roleRef"]["kind"], b["roleRef"]["name"]))
+        for rule in (role or {}).get("rules", []):
+            for group in rule.get("apiGroups", []):
+                for resource in rule.get("resources", []):
+                    rights |= {(group, resource, verb) for verb in rule.get("verbs", [])}
+    return rights
 
 
 def check(docs: list[dict[str, Any]], overlay: bool) -> list[str]:
@@ -41,6 +93,21 @@ def check(docs: list[dict[str, Any]], overlay: bool) -> list[str]:
         args = specs[name]["containers"][0].get("args", [])
         if not args or args[0] != subcommand:
             errors.append(f"{name} must run `ember {subcommand}`, runs {args}")
+
+    if "ember-controller" in deployments or "ember-controller" in by_kind.get("ServiceAccount", {}):
+        errors.append("no ember-controller: the pools controller runs in the API pods")
+    for kind in ("PodTemplate", "ClusterRole", "ClusterRoleBinding"):
+        if by_kind.get(kind):
+            errors.append(f"unexpected {kind} {sorted(by_kind[kind])}: nothing reads it")
+
+    errors += check_pools(docs, by_kind, specs)
+
+    # Several API pods (the pools controllers among them elect one leader through a Lease)
+    # may overlap: rolling updates that never leave none serving.
+    api = deployments.get("ember-api")
+    if api and (api["spec"]["replicas"] < 2 or api["spec"]["strategy"]["type"] != "RollingUpdate"
+                or api["spec"]["strategy"]["rollingUpdate"].get("maxUnavailable") != 0):
+        errors.append("ember-api needs two or more replicas and a RollingUpdate with maxUnavailable 0")
 
     beat = deployments.get("ember-beat")
     if beat and (beat["spec"]["replicas"] != 1 or beat["spec"]["strategy"]["type"] != "Recreate"):
@@ -74,48 +141,91 @@ def check(docs: list[dict[str, Any]], overlay: bool) -> list[str]:
         if paths != {"/healthz", "/readyz"}:
             errors.append(f"{name}: liveness /healthz and readiness /readyz expected, got {paths}")
 
-    errors += check_engine(specs.get("ember-engine"))
-
-    for cm in ("ember-config", "ember-infra"):
+    for cm in ("ember-config", "ember-infra", "ember-pools", "ember-engine-config"):
         if not any(n.startswith(cm) for n in by_kind.get("ConfigMap", {})):
             errors.append(f"missing ConfigMap {cm}")
     if overlay:
         if not any(n.startswith("ember-secrets") for n in by_kind.get("Secret", {})):
             errors.append("overlay must generate Secret ember-secrets")
+        infra = (generated(by_kind, "ConfigMap", "ember-infra") or {}).get("data", {})
         for name, spec in specs.items():
             image = spec["containers"][0]["image"]
             if not image.count(".dkr.ecr.") or ":" not in image.rsplit("/", 1)[-1]:
                 errors.append(f"{name}: overlay image must be the ECR repository with a tag, got {image}")
+            elif image != infra.get("IMAGE"):
+                errors.append(f"{name}: image {image} is not ember-infra IMAGE {infra.get('IMAGE')}")
 
-    for sa in ("ember-api", "ember-worker", "ember-controller", "ember-engine"):
+    infra = (generated(by_kind, "ConfigMap", "ember-infra") or {}).get("data", {})
+    for sa, key in ROLES.items():
         arn = by_kind.get("ServiceAccount", {}).get(sa, {}).get("metadata", {}).get("annotations", {})
-        if not arn.get("eks.amazonaws.com/role-arn", "").startswith("arn:aws"):
+        value = arn.get("eks.amazonaws.com/role-arn", "")
+        if not value.startswith("arn:aws"):
             errors.append(f"ServiceAccount {sa} needs its IRSA role ARN")
+        elif value != infra.get(key):
+            errors.append(f"ServiceAccount {sa}: role ARN {value} is not ember-infra {key}")
     return errors
 
 
-def check_engine(spec: dict[str, Any] | None) -> list[str]:
-    if spec is None:
-        return ["missing PodTemplate ember-engine"]
-    errors = []
-    c = spec["containers"][0]
-    res = c["resources"]
-    if str(res.get("limits", {}).get("nvidia.com/gpu")) != "1":
-        errors.append("engine must request one nvidia.com/gpu")
-    env = {e["name"]: e for e in c.get("env", [])}
-    omp = env.get("OMP_NUM_THREADS", {}).get("valueFrom", {}).get("resourceFieldRef", {})
-    if omp.get("resource") != "limits.cpu":
-        errors.append("engine OMP_NUM_THREADS must come from limits.cpu")
-    cache = [v for v in spec["volumes"] if v.get("hostPath", {}).get("path") == CACHE_DIR]
-    if not cache or cache[0]["hostPath"].get("type") != "Directory":
-        errors.append(f"engine needs hostPath {CACHE_DIR} of type Directory")
-    elif not any(m["name"] == cache[0]["name"] and m["mountPath"] == CACHE_DIR for m in c["volumeMounts"]):
-        errors.append(f"engine must mount the cache at {CACHE_DIR} (EMBER_CACHE_DIR)")
-    if not any(t.get("key") == "nvidia.com/gpu" for t in spec.get("tolerations", [])):
-        errors.append("engine must tolerate the nvidia.com/gpu taint")
-    paths = {c.get(p, {}).get("httpGet", {}).get("path") for p in ("livenessProbe", "readinessProbe")}
-    if paths != {"/healthz", "/readyz"}:
-        errors.append(f"engine: liveness /healthz and readiness /readyz expected, got {paths}")
+def check_pools(
+    docs: list[dict[str, Any]],
+    by_kind: dict[str, dict[str, dict[str, Any]]],
+    specs: dict[str, dict[str, Any]],
+) -> list[str]:
+    """The API pods can run the pools controller's Kubernetes backend: its settings, the
+    objects they name, and the Kubernetes rights it uses."""
+    errors: list[str] = []
+    api = specs.get("ember-api")
+    if api is None:
+        return errors
+    container = api["containers"][0]
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        ref = source.get("configMapRef")
+        cm = generated(by_kind, "ConfigMap", ref["name"]) if ref else None
+        env |= (cm or {}).get("data", {})
+    env |= {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+    missing = sorted(POOLS - set(env))
+    if missing:
+        errors.append(f"ember-api lacks the pools settings {missing}")
+        return errors
+    if env["EMBER_REPLICA_BACKEND"] != "kubernetes":
+        errors.append("ember-api: EMBER_REPLICA_BACKEND must be kubernetes")
+    if env.get("EMBER_CACHE_DIR") != CACHE_DIR:
+        errors.append(f"ember-api: EMBER_CACHE_DIR must be {CACHE_DIR} (the NVMe mount)")
+    if env["EMBER_K8S_IMAGE"] != container["image"]:
+        errors.append(f"EMBER_K8S_IMAGE {env['EMBER_K8S_IMAGE']} is not the API's image "
+                      f"{container['image']}")  # fmt: skip
+    namespaces = {d["metadata"].get("namespace") for d in docs if d["kind"] == "Deployment"}
+    if namespaces != {env["EMBER_K8S_NAMESPACE"]}:
+        errors.append(f"EMBER_K8S_NAMESPACE {env['EMBER_K8S_NAMESPACE']} is not the "
+                      f"namespace of the Deployments {namespaces}")  # fmt: skip
+    if env["EMBER_K8S_SERVICE_ACCOUNT"] not in by_kind.get("ServiceAccount", {}):
+        errors.append(f"EMBER_K8S_SERVICE_ACCOUNT {env['EMBER_K8S_SERVICE_ACCOUNT']} missing")
+    engine_cm = by_kind.get("ConfigMap", {}).get(env["EMBER_K8S_CONFIG_MAP"])
+    if engine_cm is None:  # a hash-suffixed name would not match what the backend renders
+        errors.append(f"no ConfigMap named exactly {env['EMBER_K8S_CONFIG_MAP']} "
+                      "(EMBER_K8S_CONFIG_MAP)")  # fmt: skip
+    else:
+        config = generated(by_kind, "ConfigMap", "ember-config") or {}
+        if engine_cm.get("data") != config.get("data"):
+            errors.append(f"{env['EMBER_K8S_CONFIG_MAP']} must hold what ember-config holds")
+    infra = (generated(by_kind, "ConfigMap", "ember-infra") or {}).get("data", {})
+    if env["EMBER_K8S_STANDBY_ACCELERATORS"] != infra.get("GPU_TYPES"):
+        errors.append("EMBER_K8S_STANDBY_ACCELERATORS must be ember-infra GPU_TYPES")
+
+    account = api.get("serviceAccountName", "default")
+    sa = by_kind.get("ServiceAccount", {}).get(account, {})
+    if sa.get("automountServiceAccountToken") is False and not api.get(
+        "automountServiceAccountToken"
+    ):
+        errors.append(f"ember-api: the token of {account} must be mounted (in-cluster client)")
+    used, granted = backend_rights(), role_rights(docs, account)
+    lacking = sorted(used - granted)
+    extra = sorted(granted - used)
+    if lacking:
+        errors.append(f"ServiceAccount {account} lacks the rights the backend uses: {lacking}")
+    if extra:
+        errors.append(f"ServiceAccount {account} has rights the backend never uses: {extra}")
     return errors
 
 

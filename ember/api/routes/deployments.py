@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Response, status
+from fastapi import APIRouter, Path, Request, Response, status
 
 from ember.api.deps import Cursor, Limit, PrincipalDep, SessionDep
 from ember.registry import deployments
@@ -23,13 +23,23 @@ router = APIRouter(prefix="/v1/deployments", tags=["deployments"])
 DeploymentName = Annotated[str, Path(pattern=NAME_PATTERN, description="Deployment name.")]
 
 
+def _controller_sees(request: Request) -> None:
+    """Read your writes: this API process's pools controller re-reads the registry now, so
+    a request right after the change already sees it (other API processes within their
+    next registry read, about a second)."""
+    gateway = getattr(request.app.state, "gateway", None)
+    if gateway is not None:
+        gateway.controller.refresh()
+
+
 @router.post("", status_code=status.HTTP_201_CREATED, summary="Create a deployment")
 def create(
-    body: DeploymentCreate, principal: PrincipalDep, session: SessionDep
+    request: Request, body: DeploymentCreate, principal: PrincipalDep, session: SessionDep
 ) -> DeploymentPublic:
     """Serves `version` (which must be `ready`) as `production` at 100 % of traffic."""
     deployment = deployments.create(session, principal.tenant_id, body)
     session.commit()
+    _controller_sees(request)
     return deployments.public(session, deployment)
 
 
@@ -48,33 +58,47 @@ def get(name: DeploymentName, principal: PrincipalDep, session: SessionDep) -> D
 
 @router.patch("/{name}", summary="Change pool policy or fallback chain")
 def update(
-    name: DeploymentName, body: DeploymentUpdate, principal: PrincipalDep, session: SessionDep
+    request: Request,
+    name: DeploymentName,
+    body: DeploymentUpdate,
+    principal: PrincipalDep,
+    session: SessionDep,
 ) -> DeploymentPublic:
     deployment = deployments.get(session, principal.tenant_id, name)
     deployments.update(session, deployment, body)
     session.commit()
+    _controller_sees(request)
     return deployments.public(session, deployment)
 
 
 @router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT, summary="Delete a deployment")
-def delete(name: DeploymentName, principal: PrincipalDep, session: SessionDep) -> Response:
+def delete(
+    request: Request, name: DeploymentName, principal: PrincipalDep, session: SessionDep
+) -> Response:
     deployments.delete(session, deployments.get(session, principal.tenant_id, name))
     session.commit()
+    _controller_sees(request)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
 @router.post("/{name}:canary", summary="Send a share of traffic to a new version")
 def canary(
-    name: DeploymentName, body: CanaryRequest, principal: PrincipalDep, session: SessionDep
+    request: Request,
+    name: DeploymentName,
+    body: CanaryRequest,
+    principal: PrincipalDep,
+    session: SessionDep,
 ) -> DeploymentPublic:
     deployment = deployments.get(session, principal.tenant_id, name)
     deployments.canary(session, deployment, body)
     session.commit()
+    _controller_sees(request)
     return deployments.public(session, deployment)
 
 
 @router.post("/{name}:promote", summary="Make a version (default: the canary) production")
 def promote(
+    request: Request,
     name: DeploymentName,
     principal: PrincipalDep,
     session: SessionDep,
@@ -83,16 +107,18 @@ def promote(
     deployment = deployments.get(session, principal.tenant_id, name)
     deployments.promote(session, deployment, body or PromoteRequest())
     session.commit()
+    _controller_sees(request)
     return deployments.public(session, deployment)
 
 
 @router.post("/{name}:rollback", summary="Drop the canary, or return to the previous production")
 def rollback(
-    name: DeploymentName, principal: PrincipalDep, session: SessionDep
+    request: Request, name: DeploymentName, principal: PrincipalDep, session: SessionDep
 ) -> DeploymentPublic:
     deployment = deployments.get(session, principal.tenant_id, name)
     deployments.rollback(session, deployment)
     session.commit()
+    _controller_sees(request)
     return deployments.public(session, deployment)
 
 

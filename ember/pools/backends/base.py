@@ -5,7 +5,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from ember.registry.schemas import Placement
 
 
 @dataclass
@@ -24,9 +29,33 @@ class LaunchOptions:
     max_batch_size: int = 32
     max_queue_delay_ms: float = 5.0
     max_queue: int = 1024
+    tenant_id: int = 0
+    deployment: str = ""
+    """The Ember deployment the replica serves (cluster backends label and group by it)."""
+    placement: Placement | None = None
+    """The deployment's placement policy (GPU type, resources); the local backend ignores it."""
+
+
+@dataclass
+class ObservedReplica:
+    """A replica that exists in the backend (found, not launched by this process): what a
+    controller that takes over, or one that only follows, needs to know about it."""
+
+    handle: ReplicaHandle
+    tenant_id: int
+    deployment: str
+    """Empty for a standby replica."""
+    model: str
+    version: str
+    ready: bool
+    """The backend's own readiness signal (a pod's Ready condition)."""
 
 
 class ReplicaBackend(ABC):
+    replicas_outlive_controller = False
+    """True where replicas keep running when the controller's process stops (a cluster):
+    the controller then leaves them to its successor instead of stopping them."""
+
     @abstractmethod
     def launch(self, spec: dict[str, Any] | None, options: LaunchOptions) -> ReplicaHandle:
         """Start a replica for ``spec`` (a VersionSpec dict), or a standby process (None).
@@ -48,3 +77,37 @@ class ReplicaBackend(ABC):
     @abstractmethod
     def kill(self, handle: ReplicaHandle) -> None:
         """Stop at once (a hung replica gets no grace)."""
+
+    def standby_can_take(
+        self, handle: ReplicaHandle, spec: dict[str, Any], options: LaunchOptions
+    ) -> bool:
+        """Whether this standby replica (``handle``) can be assigned ``spec``: the right
+        runtime and, on a cluster, the right hardware and size."""
+        return self.standby_can_run(spec)
+
+    def assigned(self, handle: ReplicaHandle, spec: dict[str, Any], options: LaunchOptions) -> None:
+        """The controller gave standby ``handle`` a version (cluster backends relabel it)."""
+        return None
+
+    def exit_reason(self, handle: ReplicaHandle) -> str | None:
+        """Why the replica is gone, when the backend knows better than an exit status."""
+        return None
+
+    def observe(self) -> list[ObservedReplica]:
+        """The replicas that exist now, whoever launched them (none on the local backend:
+        its processes die with the controller)."""
+        return []
+
+    def adopt(self) -> list[ObservedReplica]:
+        """This controller was elected: act for the replicas that exist now (it launched
+        none of them) and return them, as ``observe`` would."""
+        return self.observe()
+
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        """Add the backend's own metrics to the controller's registry."""
+        return None
+
+    def close(self) -> None:
+        """Release what the backend holds: threads and connections (a cluster's replicas
+        stay), the local backend's processes."""
+        return None

@@ -160,7 +160,6 @@ def verify_iam(c: Callable[[str], Any], out: dict[str, Any]) -> None:
         ("replica", "s3:PutObject", "artifacts/m/1/model.safetensors", False),
         ("replica", "s3:GetObject", "batch-outputs/run-1/shard-0", False),
         ("replica", "s3:PutBucketPolicy", "", False),
-        ("controller", "s3:PutObject", "artifacts/x", False),
     ]
     for kind, action, key, want in expected:
         resource = f"{bucket}/{key}" if key else bucket

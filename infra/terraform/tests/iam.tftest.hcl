@@ -59,7 +59,7 @@ run "writes_are_scoped_to_prefixes" {
   }
 }
 
-run "replicas_and_controller_only_read" {
+run "replicas_only_read" {
   command = apply
 
   module {
@@ -68,13 +68,11 @@ run "replicas_and_controller_only_read" {
 
   assert {
     condition = alltrue(flatten([
-      for role in ["replica", "controller"] : [
-        for s in jsondecode(aws_iam_role_policy.this[role].policy).Statement : [
-          for a in s.Action : contains(["s3:GetObject", "s3:ListBucket", "kms:Decrypt"], a)
-        ]
+      for s in jsondecode(aws_iam_role_policy.this["replica"].policy).Statement : [
+        for a in s.Action : contains(["s3:GetObject", "s3:ListBucket", "kms:Decrypt"], a)
       ]
     ]))
-    error_message = "Replicas and the controller may only GetObject, ListBucket and kms:Decrypt."
+    error_message = "Replicas may only GetObject, ListBucket and kms:Decrypt."
   }
 
   assert {
@@ -120,7 +118,7 @@ run "each_role_trusts_one_service_account" {
   }
 
   assert {
-    condition     = output.service_accounts == { api = "ember-api", worker = "ember-worker", controller = "ember-controller", replica = "ember-engine" }
+    condition     = output.service_accounts == { api = "ember-api", worker = "ember-worker", replica = "ember-engine" }
     error_message = "Service account names must match deploy/k8s."
   }
 }

@@ -63,7 +63,7 @@ variable "log_retention_days" {
 }
 
 variable "cpu_node_group" {
-  description = "Node group for the API, pools controller, Celery workers and beat."
+  description = "Node group for the API (which runs the pools controller), Celery workers and beat."
   type = object({
     instance_types = list(string)
     min_size       = number

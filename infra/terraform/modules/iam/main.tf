@@ -6,10 +6,10 @@
 #                                 job-results
 #   worker      ember-worker      artifacts, batch-outputs, job-results      batch-outputs, job-results,
 #                                                                            prediction-logs
-#   controller  ember-controller  artifacts                                  -
 #   replica     ember-engine      artifacts                                  -
 #
-# Beat only enqueues tasks: its service account has no AWS role at all.
+# The pools controller runs inside the API pods (ember-api): no role of its own. Beat only
+# enqueues tasks: its service account has no AWS role at all.
 
 data "aws_region" "current" {}
 
@@ -31,11 +31,6 @@ locals {
       service_account = "ember-worker"
       reads           = ["artifacts", "batch_outputs", "job_results"]
       writes          = ["batch_outputs", "job_results", "prediction_logs"]
-    }
-    controller = {
-      service_account = "ember-controller"
-      reads           = ["artifacts"]
-      writes          = []
     }
     replica = {
       service_account = "ember-engine"

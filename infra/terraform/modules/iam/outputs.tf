@@ -1,5 +1,5 @@
 output "role_arns" {
-  description = "IRSA role ARN by process kind (api, worker, controller, replica): the eks.amazonaws.com/role-arn annotation of each service account."
+  description = "IRSA role ARN by process kind (api, worker, replica): the eks.amazonaws.com/role-arn annotation of each service account."
   value       = { for k, r in aws_iam_role.this : k => r.arn }
 }
 

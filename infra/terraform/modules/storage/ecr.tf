@@ -1,4 +1,4 @@
-# Registry for the Ember image (one image runs api, controller, workers, beat and engines).
+# Registry for the Ember image (one image runs api, workers, beat and engines).
 
 resource "aws_ecr_repository" "ember" {
   name                 = var.name
