@@ -28,4 +28,5 @@ $VENV/bin/ruff format --check ember tests bench scripts
 $VENV/bin/mypy
 
 mapfile -t first < <(ls -d tests/*/ tests/test_*.py | grep -v -e '^tests/engine_vllm/' -e '^tests/infra/')
-$VENV/bin/python -m pytest "${first[@]}" tests/engine_vllm tests/infra "$@"
+# --durations: where the suite's time goes (it must stay well under 20 minutes)
+$VENV/bin/python -m pytest --durations=25 "${first[@]}" tests/engine_vllm tests/infra "$@"
