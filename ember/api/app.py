@@ -12,6 +12,7 @@ from sqlalchemy import Engine
 import ember
 from ember.api import problems
 from ember.api.deps import PrincipalCache
+from ember.api.lane import FastLane
 from ember.api.middleware import BodyLimit, JsonBodies, RequestContext
 from ember.api.routes import batch as batch_routes
 from ember.api.routes import deployments, health, jobs, models, openai, predict, tenants, v2
@@ -76,6 +77,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     for module in (predict, v2, openai, health, tenants, models, deployments, jobs):
         app.include_router(module.router)
     app.include_router(batch_routes.router)
+    # Innermost: the lane sees requests after the request id, body limit and media type.
+    app.add_middleware(FastLane, path=predict.PREDICT_PATH, handler=predict.lean_predict)
     app.add_middleware(JsonBodies)
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
     app.add_middleware(RequestContext)

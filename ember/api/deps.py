@@ -8,6 +8,7 @@ from typing import Annotated
 
 from fastapi import Depends, Header, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security.utils import get_authorization_scheme_param
 from sqlmodel import Session
 
 from ember.config import Settings
@@ -84,6 +85,19 @@ async def get_principal(
 
 
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
+
+
+def cached_principal(
+    cache: PrincipalCache, authorization: str | None, tenant: str | None
+) -> Principal | None:
+    """The principal ``get_principal`` cached for these headers (read as ``HTTPBearer``
+    reads them), or None: a lean lane leaves a miss to the dependency, which authenticates
+    (and caches) or refuses."""
+    scheme, credentials = get_authorization_scheme_param(authorization)
+    if scheme.lower() != "bearer" or not credentials or len(credentials) > 512:
+        return None
+    return cache.get((hash_key(credentials), tenant))
+
 
 Limit = Annotated[int, Query(ge=1, le=500, description="Page size.")]
 Cursor = Annotated[

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import json
-import uuid
+import os
 
+import structlog
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ember.api.problems import PROBLEM_JSON, TYPE_BASE, protocol_error
-from ember.logs import bound
+
+
+def last_header(scope: Scope, name: bytes) -> bytes | None:
+    """The last value of header ``name`` (lower case), as ``dict(scope["headers"])`` gives
+    it, without building that dict on every request."""
+    found = None
+    for key, value in scope["headers"]:
+        if key == name:
+            found = value
+    return found
 
 
 class RequestContext:
@@ -21,22 +31,29 @@ class RequestContext:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        incoming = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        incoming = (last_header(scope, b"x-request-id") or b"").decode("latin-1")
         request_id = incoming if 0 < len(incoming) <= 64 and incoming.isprintable() else ""
-        request_id = request_id or uuid.uuid4().hex
+        request_id = request_id or os.urandom(16).hex()  # as random as a uuid4, cheaper
+        header = (b"x-request-id", request_id.encode())
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message.setdefault("headers", []).append((b"x-request-id", request_id.encode()))
+                message.setdefault("headers", []).append(header)
             await send(message)
 
-        with bound(request_id=request_id):
+        # ember.logs.bound without the context manager's generator: this runs per request.
+        tokens = structlog.contextvars.bind_contextvars(request_id=request_id)
+        try:
             await self.app(scope, receive, send_with_id)
+        finally:
+            structlog.contextvars.reset_contextvars(**tokens)
 
 
 class BodyLimit:
     """Refuse bodies over ``max_bytes`` with 413 — by Content-Length up front, and by
-    counting while streaming (a chunked or lying client cannot get past it)."""
+    counting while streaming a chunked body. A body with a valid Content-Length (and no
+    Transfer-Encoding, which would win) needs no counting: the HTTP server frames it by
+    that length, so whatever a client sends beyond it is not this request's body."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -46,9 +63,12 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        length = dict(scope["headers"]).get(b"content-length")
+        length = last_header(scope, b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
             await self._reject(scope, send)
+            return
+        if length is not None and last_header(scope, b"transfer-encoding") is None:
+            await self.app(scope, receive, send)  # framed by its length: nothing to count
             return
         seen = 0
         started = rejected = False
@@ -104,10 +124,10 @@ class JsonBodies:
         ):
             await self.app(scope, receive, send)
             return
-        headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-        ctype = dict(scope["headers"]).get(b"content-type")
+        ctype = last_header(scope, b"content-type")
         if ctype is None:
-            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+            json_type = (b"content-type", b"application/json")
+            scope = {**scope, "headers": [*scope["headers"], json_type]}
         else:
             media = ctype.split(b";")[0].strip().lower()
             if media != b"application/json" and not media.endswith(b"+json"):

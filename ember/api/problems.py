@@ -94,7 +94,8 @@ def problem(
     return JSONResponse(body, status_code=status, media_type=PROBLEM_JSON, headers=headers)
 
 
-async def _ember_error(request: Request, exc: Exception) -> JSONResponse:
+async def ember_error_response(request: Request, exc: Exception) -> JSONResponse:
+    """An ``EmberError`` as its problem document (raw ASGI lanes call this too)."""
     assert isinstance(exc, EmberError)
     if isinstance(exc, Upstream):
         headers = {"Retry-After": exc.retry_after} if exc.retry_after else {}
@@ -148,7 +149,7 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 
 def install(app: FastAPI) -> None:
-    app.add_exception_handler(EmberError, _ember_error)
+    app.add_exception_handler(EmberError, ember_error_response)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)

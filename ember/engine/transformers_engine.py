@@ -7,14 +7,20 @@ engine_config::
 
 Sidecar files (config and tokenizer) are fetched from the artifact's prefix in the object
 store into a directory keyed by model and version, then read offline.
+
+Each text is tokenized once, in ``prepare`` (which must count its tokens anyway): with a
+``tokenizers`` backend the prepared value is the encoding (truncated to ``max_length`` the
+way the tokenizer's own call truncates) and ``forward`` only pads the batch into tensors.
+A tokenizer without such a backend is called again in ``forward``, as a whole batch.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from ember.config import Settings
@@ -24,6 +30,9 @@ from ember.engine.spec import Tier, VersionSpec
 from ember.engine.weights import ModuleEngine, build_and_load
 from ember.errors import InvalidInput
 from ember.logs import get_logger
+
+if TYPE_CHECKING:
+    from tokenizers import Encoding, Tokenizer
 
 log = get_logger(__name__)
 TASKS = ("embedding", "classification")
@@ -42,6 +51,7 @@ class TransformersEngine(ModuleEngine):
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.files))
+        self.encoders = self._encoders()
 
     def load(self) -> None:
         from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
@@ -63,23 +73,64 @@ class TransformersEngine(ModuleEngine):
             cache=str(loaded.report.cache),
         )
 
+    def _encoders(self) -> tuple[Tokenizer, Tokenizer] | None:
+        """Two private copies of the tokenizer's backend (their truncation settings are
+        state): one that counts every token, one that truncates as ``forward`` must."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None or self.tokenizer.pad_token_id is None:
+            return None
+        from tokenizers import Tokenizer
+
+        counting, truncating = (Tokenizer.from_str(backend.to_str()) for _ in range(2))
+        counting.no_truncation()
+        counting.no_padding()
+        truncating.no_padding()
+        side = self.tokenizer.truncation_side
+        truncating.enable_truncation(self.max_length, strategy="longest_first", direction=side)
+        return counting, truncating
+
     def prepare(self, instance: Any) -> Sized:
         text = instance.get("text") if isinstance(instance, dict) else instance
         if not isinstance(text, str):
             raise InvalidInput('each instance must be a string or {"text": "..."}')
-        tokens = len(self.tokenizer(text, truncation=False)["input_ids"])
-        return Sized(text, tokens)
+        if self.encoders is None:
+            return Sized(text, len(self.tokenizer(text, truncation=False)["input_ids"]))
+        counting, truncating = self.encoders
+        encoding = counting.encode(text)
+        tokens = len(encoding.ids)
+        if tokens > self.max_length:
+            encoding = truncating.encode(text)
+        return Sized(encoding, tokens)
+
+    def _pad(self, batch: Sequence[Encoding]) -> dict[str, torch.Tensor]:
+        """The batch's encodings as the tensors ``tokenizer(..., padding=True)`` returns."""
+        width = max(len(e.ids) for e in batch)
+        shape = (len(batch), width)
+        ids = np.full(shape, self.tokenizer.pad_token_id, dtype=np.int64)
+        types = np.full(shape, self.tokenizer.pad_token_type_id, dtype=np.int64)
+        mask = np.zeros(shape, dtype=np.int64)
+        left = self.tokenizer.padding_side == "left"
+        for row, e in enumerate(batch):
+            cols = slice(width - len(e.ids), width) if left else slice(0, len(e.ids))
+            ids[row, cols], types[row, cols], mask[row, cols] = e.ids, e.type_ids, 1
+        arrays = {"input_ids": ids, "token_type_ids": types, "attention_mask": mask}
+        names = self.tokenizer.model_input_names
+        return {k: torch.from_numpy(v) for k, v in arrays.items() if k in names}
 
     def forward(self, batch: Sequence[Any]) -> list[Any]:
         if self.module is None or self.tier is not Tier.hot:
             raise InvalidInput(f"replica is {self.tier.value}, not hot")
-        enc = self.tokenizer(
-            list(batch),
-            padding=True,
-            truncation=True,
-            max_length=self.max_length,
-            return_tensors="pt",
-        ).to(self.device)
+        if self.encoders is None:
+            tensors = self.tokenizer(
+                list(batch),
+                padding=True,
+                truncation=True,
+                max_length=self.max_length,
+                return_tensors="pt",
+            )
+        else:
+            tensors = self._pad(batch)
+        enc = {k: v.to(self.device) for k, v in tensors.items()}
         with torch.inference_mode():
             out = self.module(**enc)
         if self.task == "embedding":

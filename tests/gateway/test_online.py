@@ -15,10 +15,11 @@ from pathlib import Path
 import httpx
 
 from ember.api.app import create_app
+from ember.api.problems import PROBLEM_JSON
 from ember.config import Settings
 from tests import services
 from tests.api.conftest import ADMIN_KEY
-from tests.gateway.conftest import Live, deploy
+from tests.gateway.conftest import Live, X, deploy
 
 
 def test_predict_canary_and_sticky_sessions(live: Live) -> None:
@@ -52,6 +53,20 @@ def test_predict_canary_and_sticky_sessions(live: Live) -> None:
     bad = live.client.post("/v1/models/mlp:predict", json={"instances": [[1, 2]]})
     assert bad.status_code == 422 and "shape" in bad.json()["detail"]
     assert live.client.post("/v1/models/nope:predict", json={"instances": [1]}).status_code == 404
+    # The lean lane (raw ASGI) and the FastAPI route answer alike: the lane takes a cached
+    # key and a valid body, and leaves the rest to the route with the body replayed.
+    unknown = live.client.post("/v1/models/mlp/versions/9:predict", json={"instances": [X]})
+    assert unknown.status_code == 404 and unknown.headers["content-type"] == PROBLEM_JSON
+    malformed = live.client.post("/v1/models/mlp:predict", content=b'{"instances": [')
+    assert malformed.status_code == 400 and malformed.json()["type"].endswith("malformed-request")
+    empty = live.client.post("/v1/models/mlp:predict", json={"instances": []})
+    assert empty.status_code == 422 and empty.json()["errors"][0]["location"] == "instances"
+    stranger = httpx.post(f"{live.url}/v1/models/mlp:predict", json={"instances": [X]},
+                          headers={"Authorization": "Bearer ek_nope"})  # fmt: skip
+    assert stranger.status_code == 401 and stranger.headers["www-authenticate"] == "Bearer"
+    fine = live.predict("mlp", headers={"X-Request-Id": "req-7"})
+    assert fine.headers["x-request-id"] == "req-7" and fine.headers["x-ember-rung"] == "model"
+    assert fine.headers["content-type"] == "application/json"
     metrics = live.client.get("/metrics").text
     assert 'ember_gateway_requests_total{deployment="mlp",outcome="ok",version="2"}' in metrics
 

@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Path, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.types import Scope
 
-from ember.api.deps import PrincipalDep, SessionDep
+from ember.api.deps import PrincipalDep, SessionDep, cached_principal
+from ember.api.lane import Answer, header_values
 from ember.api.problems import DATA_PLANE_RESPONSES
 from ember.engine.spec import Priority
 from ember.errors import InvalidInput, NotReady
 from ember.pools.gateway import Gateway, Prediction
 from ember.registry import deployments
 from ember.registry.schemas import NAME_PATTERN, VERSION_PATTERN
+from ember.registry.tenants import Principal
 
 router = APIRouter(tags=["predict"], responses=DATA_PLANE_RESPONSES)
 ModelName = Annotated[str, Path(pattern=NAME_PATTERN, description="Model name.")]
 VersionRef = Annotated[str, Path(pattern=VERSION_PATTERN, description="Version.")]
+SESSION_MAX = 256
 
 
 class PredictRequest(BaseModel):
@@ -36,15 +41,23 @@ class PredictResponse(BaseModel):
     version: str
 
 
+def prediction_headers(result: Prediction) -> list[tuple[str, str]]:
+    """Which deployment, version, replica and ladder rung served an answer."""
+    return [
+        ("x-ember-deployment", result.deployment),
+        ("x-ember-version", result.version),
+        ("x-ember-replica", result.replica_id),
+        ("x-ember-attempts", str(result.attempts)),
+        ("x-ember-rung", result.rung),
+        ("x-ember-cache", result.cache),
+    ]
+
+
 def set_prediction_headers(response: Response, result: Prediction) -> None:
     """Every data-plane answer says which deployment, version, replica and ladder rung
     served it (every protocol route calls this)."""
-    response.headers["X-Ember-Deployment"] = result.deployment
-    response.headers["X-Ember-Version"] = result.version
-    response.headers["X-Ember-Replica"] = result.replica_id
-    response.headers["X-Ember-Attempts"] = str(result.attempts)
-    response.headers["X-Ember-Rung"] = result.rung
-    response.headers["X-Ember-Cache"] = result.cache
+    for name, value in prediction_headers(result):
+        response.headers[name] = value
 
 
 def gateway_of(request: Request) -> Gateway:
@@ -54,16 +67,16 @@ def gateway_of(request: Request) -> Gateway:
     return gateway
 
 
-async def _predict(
-    request: Request,
-    response: Response,
-    principal: Any,
+async def serve(
+    gateway: Gateway,
+    principal: Principal,
     name: str,
     body: PredictRequest,
     version: str | None,
     session_key: str | None,
-) -> PredictResponse | Response:
-    gateway = gateway_of(request)
+) -> tuple[Prediction, bytes]:
+    """The prediction and the answer's JSON bytes: the replica's (or the cache's) as they
+    came when there are such bytes, never decoded and re-encoded."""
     try:
         priority = Priority.requested(body.priority)
     except ValueError as exc:
@@ -73,14 +86,60 @@ async def _predict(
     result = await gateway.predict(
         view, principal.tenant, body.instances, priority, timeout_ms, session_key, version
     )
-    if result.content is not None:  # the replica's bytes are already this route's answer
-        answer = Response(result.content, media_type="application/json")
-        set_prediction_headers(answer, result)
-        return answer
-    set_prediction_headers(response, result)
-    return PredictResponse(
+    if result.content is not None:
+        return result, result.content
+    answer = PredictResponse(
         predictions=result.body["predictions"], model=view.model, version=result.version
     )
+    return result, answer.model_dump_json().encode()
+
+
+async def _predict(
+    request: Request,
+    principal: Principal,
+    name: str,
+    body: PredictRequest,
+    version: str | None,
+    session_key: str | None,
+) -> Response:
+    result, content = await serve(gateway_of(request), principal, name, body, version, session_key)
+    answer = Response(content, media_type="application/json")
+    set_prediction_headers(answer, result)
+    return answer
+
+
+#: Both predict paths, for the lean lane (``{name}`` / ``{version}`` as Starlette matches
+#: them; the lane checks the patterns and leaves anything else to the routes).
+PREDICT_PATH = re.compile(r"/v1/models/(?P<name>[^/]+?)(?:/versions/(?P<version>[^/]+))?:predict")
+_NAME = re.compile(NAME_PATTERN)
+_VERSION = re.compile(VERSION_PATTERN)
+
+
+async def lean_predict(scope: Scope, match: re.Match[str], raw: bytes) -> Answer | None:
+    """``:predict`` without FastAPI's routing, dependencies and validation: for a known
+    key (the principal cache) and a body that validates; None leaves anything else —
+    malformed input, an unknown key — to the routes below, which answer it as always."""
+    gateway: Gateway | None = getattr(scope["app"].state, "gateway", None)
+    name, version = match["name"], match["version"]
+    if (
+        gateway is None
+        or not _NAME.fullmatch(name)
+        or (version is not None and not _VERSION.fullmatch(version))
+    ):
+        return None
+    authorization, tenant, session_key = header_values(
+        scope, b"authorization", b"x-ember-tenant", b"x-ember-session"
+    )
+    principal = cached_principal(scope["app"].state.principals, authorization, tenant)
+    if principal is None or (session_key is not None and len(session_key) > SESSION_MAX):
+        return None
+    try:
+        body = PredictRequest.model_validate_json(raw)
+    except ValueError:
+        return None
+    result, content = await serve(gateway, principal, name, body, version, session_key)
+    headers = [(k.encode(), v.encode("latin-1")) for k, v in prediction_headers(result)]
+    return Answer(content, headers)
 
 
 @router.post(
@@ -92,13 +151,12 @@ async def predict(
     name: ModelName,
     body: PredictRequest,
     request: Request,
-    response: Response,
     principal: PrincipalDep,
-    x_ember_session: Annotated[str | None, Header(max_length=256)] = None,
-) -> PredictResponse | Response:
+    x_ember_session: Annotated[str | None, Header(max_length=SESSION_MAX)] = None,
+) -> Response:
     """Routed by the deployment's traffic weights (canary); `X-Ember-Session` keeps a
     session on one replica while it is not overloaded."""
-    return await _predict(request, response, principal, name, body, None, x_ember_session)
+    return await _predict(request, principal, name, body, None, x_ember_session)
 
 
 @router.post(
@@ -111,11 +169,10 @@ async def predict_version(
     version: VersionRef,
     body: PredictRequest,
     request: Request,
-    response: Response,
     principal: PrincipalDep,
-    x_ember_session: Annotated[str | None, Header(max_length=256)] = None,
-) -> PredictResponse | Response:
-    return await _predict(request, response, principal, name, body, version, x_ember_session)
+    x_ember_session: Annotated[str | None, Header(max_length=SESSION_MAX)] = None,
+) -> Response:
+    return await _predict(request, principal, name, body, version, x_ember_session)
 
 
 @router.get("/v1/deployments/{name}/replicas", summary="A deployment's replicas")
