@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import httpx
-from sqlalchemy import Engine
+from sqlalchemy import Engine, func
+from sqlalchemy import select as sa_select
 from sqlmodel import col, select
 
 from ember.costmodel import CostModel, hardware_key
@@ -57,6 +58,9 @@ if TYPE_CHECKING:
     from ember.pools.leader import LeaseElection
 
 log = get_logger(__name__)
+
+REGISTRY_FULL_S = 10.0
+"""The registry view is re-read whole at least this often, changed or not."""
 
 WAKE_HOLD_S = 60.0
 """A woken scale-to-zero version is wanted hot this long while its replica starts."""
@@ -183,7 +187,8 @@ class PoolsController:
         # demand, decides.
         self.woken: dict[tuple[tuple[int, str], str], float] = {}
         self.registry_every_s = 1.0
-        self._last_read = -math.inf
+        self._last_read = self._last_full_read = -math.inf
+        self._fingerprint: tuple[Any, ...] | None = None
         self._last_step = time.monotonic()
         # The job queue's hook (ember.jobs.demand): (tenant id, deployment) -> model units
         # of unfinished async jobs, read in a thread with the registry; added to the
@@ -235,16 +240,47 @@ class PoolsController:
     def refresh(self) -> None:
         """Re-read the registry now (blocking: call it from a thread), e.g. right after an
         API call changed a deployment, so the next request routes by the change."""
+        self._fingerprint = self._registry_fingerprint()
         self.deployments = self._read_registry()
-        self._last_read = time.monotonic()
+        self._last_read = self._last_full_read = time.monotonic()
 
     async def _read_if_due(self) -> None:
         now = time.monotonic()
         if now - self._last_read >= self.registry_every_s:  # policy changes apply within 1 s
             self._last_read = now
-            self.deployments = await asyncio.to_thread(self._read_registry)
+            await asyncio.to_thread(self._read_if_changed, now)
             if self.async_demand is not None:
                 self.async_queued = await asyncio.to_thread(self.async_demand)
+
+    def _read_if_changed(self, now: float) -> None:
+        """Every second a cheap fingerprint of what routing depends on (deployments, running
+        batch runs, ready versions); the whole view only when it changed, and every
+        ``registry_full_every_s`` regardless (calibrated cost models carry no timestamp).
+        A full read every second cost 12-17 ms of CPU per second on an idle API."""
+        fingerprint = self._registry_fingerprint()
+        if fingerprint != self._fingerprint or now - self._last_full_read >= REGISTRY_FULL_S:
+            self._fingerprint = fingerprint
+            self.deployments = self._read_registry()
+            self._last_full_read = now
+
+    def _registry_fingerprint(self) -> tuple[Any, ...]:
+        with self.db.connect() as conn:
+            deployments = conn.execute(
+                sa_select(
+                    func.count(), func.max(Deployment.updated_at), func.sum(Deployment.id)
+                ).select_from(Deployment)
+            ).one()
+            versions = conn.execute(
+                sa_select(func.count(), func.max(ModelVersion.validated_at)).where(
+                    col(ModelVersion.status) == VersionStatus.ready
+                )
+            ).one()
+            runs = conn.execute(
+                sa_select(col(BatchRun.tenant_id), col(BatchRun.deployment), col(BatchRun.version))
+                .where(col(BatchRun.status) == "running")
+                .order_by(col(BatchRun.id))
+            ).all()
+        return tuple(deployments), tuple(versions), tuple(tuple(r) for r in runs)
 
     # --- leadership (only with a leader election) ---------------------------------------
 
