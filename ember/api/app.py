@@ -108,6 +108,10 @@ def start_pools(settings: Settings, engine: Engine) -> Gateway:
             "warm_keep_s": settings.scale_warm_keep_s,
         },
     )
+    if controller.leader is not None and settings.redis_url:
+        from ember.pools.demand import SharedDemand
+
+        controller.shared_demand = SharedDemand(settings.redis_url)
     controller.start()
     admission = Admission(settings.tenant_units_per_s, settings.tenant_burst_units)
     cache = ResponseCache(

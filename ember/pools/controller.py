@@ -47,6 +47,7 @@ from ember.pools.backends.base import (
     ReplicaBackend,
     ReplicaHandle,
 )
+from ember.pools.demand import SharedDemand
 from ember.pools.metrics import PoolMetrics
 from ember.pools.router import Route
 from ember.registry import catalog
@@ -194,6 +195,9 @@ class PoolsController:
         # of unfinished async jobs, read in a thread with the registry; added to the
         # production version's queued units, so a backlog scales the pool to drain it.
         self.async_demand: Callable[[], dict[tuple[int, str], float]] | None = None
+        # Several API processes (a leader election): followers push the demand their
+        # gateways counted, the leader adds it to its own before each autoscaler step.
+        self.shared_demand: SharedDemand | None = None
         self.async_queued: dict[tuple[int, str], float] = {}
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -214,6 +218,8 @@ class PoolsController:
             for replica in list(self.replicas.values()):
                 await asyncio.to_thread(self.backend.stop, replica.handle, 5.0)
         await self._http.aclose()
+        if self.shared_demand is not None:
+            self.shared_demand.close()
 
     async def _run(self) -> None:
         while True:
@@ -228,6 +234,8 @@ class PoolsController:
 
     async def reconcile(self) -> None:
         await self._read_if_due()
+        if self.shared_demand is not None:
+            await self._gather_demand(self.shared_demand)
         self._reap_exited()
         await self._check_starting()
         await self._probe_idle()
@@ -243,6 +251,18 @@ class PoolsController:
         self._fingerprint = self._registry_fingerprint()
         self.deployments = self._read_registry()
         self._last_read = self._last_full_read = time.monotonic()
+
+    async def _gather_demand(self, shared: SharedDemand) -> None:
+        """The leader adds what the followers' gateways counted to its own count."""
+        try:
+            theirs = await asyncio.to_thread(shared.drain)
+        except Exception:
+            log.warning("could not read the followers' demand; sizing on this process's")
+            return
+        for key, (arrived, admitted) in theirs.items():
+            mine = self.demand.setdefault(key, [0.0, 0.0])
+            mine[0] += arrived
+            mine[1] += admitted
 
     async def _read_if_due(self) -> None:
         now = time.monotonic()
@@ -318,6 +338,12 @@ class PoolsController:
         """Not elected: keep the routing table from the replicas the backend observes
         (routed once the pod is Ready and the replica says hot); change nothing."""
         await self._read_if_due()
+        if self.shared_demand is not None and self.demand:
+            counted, self.demand = self.demand, {}
+            try:
+                await asyncio.to_thread(self.shared_demand.push, counted)
+            except Exception:  # Redis away: this tick's share is lost, not the controller
+                log.warning("could not share the gateway's demand with the leader")
         observed = self.backend.observe()
         self._sync_observed(observed, prune=True)
         ready = {o.handle.replica_id for o in observed if o.ready}

@@ -4,6 +4,7 @@ acts, the other follows; when the leader leaves, the follower adopts its replica
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from ember.api.app import prepare
 from ember.config import Settings
 from ember.pools.backends.kubernetes import KubernetesBackend
 from ember.pools.controller import PoolsController
+from ember.pools.demand import SharedDemand
 from ember.pools.leader import LeaseElection
 from tests.kubernetes.conftest import NAMESPACE, FakeCluster, api_client
 
@@ -74,13 +76,18 @@ def test_exactly_one_controller_acts_and_a_new_leader_adopts_the_replicas(
     cluster: FakeCluster,
     kube: tuple[str, kmock.KubernetesEmulator],
     registry: object,
+    redis_url: str,
 ) -> None:
+    demand_key = f"ember:test:demand:{uuid.uuid4().hex}"
+
     def controller(who: str) -> PoolsController:
         backend = make_backend()
         lease = LeaseElection(api_client(kube[0]), NAMESPACE, "ember-pools", identity=who,
                               duration_s=3)  # fmt: skip
-        return PoolsController(registry, backend, standby_pool=2, tick_s=0.02,  # type: ignore[arg-type]
-                               leader=lease)  # fmt: skip
+        c = PoolsController(registry, backend, standby_pool=2, tick_s=0.02,  # type: ignore[arg-type]
+                            leader=lease)  # fmt: skip
+        c.shared_demand = SharedDemand(redis_url, key=demand_key)
+        return c
 
     async def until(check: Callable[[], bool], what: str) -> None:
         async with asyncio.timeout(10):
@@ -99,6 +106,13 @@ def test_exactly_one_controller_acts_and_a_new_leader_adopts_the_replicas(
         await until(lambda: len(standby(a)) == 2, "a's standby pods ready")
         await until(lambda: standby(b) == standby(a), "b to observe a's replicas")
         assert not b.leading
+        # What the follower's gateway counts reaches the leader's autoscaler input.
+        b.record_demand((7, "elsewhere"), "3", 5.0, admitted=True)
+        b.record_demand((7, "elsewhere"), "3", 2.0, admitted=False)
+        a.record_demand((7, "elsewhere"), "3", 1.0, admitted=True)
+        key = ((7, "elsewhere"), "3")
+        await until(lambda: a.demand.get(key) == [8.0, 6.0], "b's demand summed into a's")
+        assert not b.demand
         pods = sorted(p["metadata"]["name"] for p in cluster.pods())
         await a.stop()  # releases the Lease; the pods stay
         await until(lambda: b.leading, "b to take over")
