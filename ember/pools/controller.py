@@ -248,9 +248,8 @@ class PoolsController:
     def refresh(self) -> None:
         """Re-read the registry now (blocking: call it from a thread), e.g. right after an
         API call changed a deployment, so the next request routes by the change."""
-        self._fingerprint = self._registry_fingerprint()
-        self.deployments = self._read_registry()
-        self._last_read = self._last_full_read = time.monotonic()
+        self._last_read = time.monotonic()
+        self._read_if_changed(self._last_read, force=True)
 
     async def _gather_demand(self, shared: SharedDemand) -> None:
         """The leader adds what the followers' gateways counted to its own count."""
@@ -272,13 +271,14 @@ class PoolsController:
             if self.async_demand is not None:
                 self.async_queued = await asyncio.to_thread(self.async_demand)
 
-    def _read_if_changed(self, now: float) -> None:
+    def _read_if_changed(self, now: float, *, force: bool = False) -> None:
         """Every second a cheap fingerprint of what routing depends on (deployments, running
         batch runs, ready versions); the whole view only when it changed, and every
         ``registry_full_every_s`` regardless (calibrated cost models carry no timestamp).
         A full read every second cost 12-17 ms of CPU per second on an idle API."""
         fingerprint = self._registry_fingerprint()
-        if fingerprint != self._fingerprint or now - self._last_full_read >= REGISTRY_FULL_S:
+        due = now - self._last_full_read >= REGISTRY_FULL_S
+        if force or due or fingerprint != self._fingerprint:
             self._fingerprint = fingerprint
             self.deployments = self._read_registry()
             self._last_full_read = now

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -72,22 +73,26 @@ class Live:
         )
 
 
-@pytest.fixture
-def live(data_dir: Path) -> Iterator[Live]:
-    settings = Settings(
-        data_dir=data_dir,
-        admin_key=ADMIN_KEY,
-        standby_replicas=0,  # type: ignore[arg-type]
-        probe_idle_s=0.5,
-        probe_timeout_s=1.0,
-        probe_failures=2,
-    )
-    with services.serve_app(create_app(settings)) as url:
+@contextlib.contextmanager
+def live_api(data_dir: Path, **settings: Any) -> Iterator[Live]:
+    """A live API (pools on) on ``data_dir`` with an admin client; ``settings`` override."""
+    config = Settings(data_dir=data_dir, admin_key=ADMIN_KEY, **settings)
+    with services.serve_app(create_app(config)) as url:
         client = httpx.Client(
             base_url=url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60
         )
-        yield Live(url, client, data_dir / "objects")
-        client.close()
+        try:
+            yield Live(url, client, data_dir / "objects")
+        finally:
+            client.close()
+
+
+@pytest.fixture
+def live(data_dir: Path) -> Iterator[Live]:
+    with live_api(
+        data_dir, standby_replicas=0, probe_idle_s=0.5, probe_timeout_s=1.0, probe_failures=2
+    ) as api:
+        yield api
 
 
 def deploy(live: Live, model: str, version: str = "1", **policy: Any) -> None:

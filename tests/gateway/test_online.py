@@ -14,12 +14,8 @@ from pathlib import Path
 
 import httpx
 
-from ember.api.app import create_app
 from ember.api.problems import PROBLEM_JSON
-from ember.config import Settings
-from tests import services
-from tests.api.conftest import ADMIN_KEY
-from tests.gateway.conftest import Live, X, deploy
+from tests.gateway.conftest import Live, X, deploy, live_api
 
 
 def test_predict_canary_and_sticky_sessions(live: Live) -> None:
@@ -194,12 +190,8 @@ def test_the_autoscaler_adds_replicas_under_load(live: Live) -> None:
 def test_a_deployment_takes_a_ready_standby_process(data_dir: Path) -> None:
     """With a standby process ready (runtime imported, no weights), a new deployment's
     replica is that process, assigned its version — no interpreter start, no imports."""
-    settings = Settings(data_dir=data_dir, admin_key=ADMIN_KEY, standby_replicas=1)  # type: ignore[arg-type]
-    with services.serve_app(create_app(settings)) as url:
-        client = httpx.Client(
-            base_url=url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60
-        )
-        live = Live(url, client, data_dir / "objects")
+    with live_api(data_dir, standby_replicas=1) as live:
+        client = live.client
         standby = 'deployment="(standby)",state="standby"'
         live.wait(lambda: standby in client.get("/metrics").text, "a ready standby process")
         live.register("mlp", "1")
@@ -208,7 +200,6 @@ def test_a_deployment_takes_a_ready_standby_process(data_dir: Path) -> None:
         assert assigned and assigned[0]["from_tier"] == "standby"
         assert live.ready("mlp")[0]["replica_id"] == assigned[0]["replica_id"]
         assert live.predict("mlp").status_code == 200
-        client.close()
 
 
 def test_a_request_waits_for_a_starting_replica_within_its_deadline(live: Live) -> None:
