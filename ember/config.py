@@ -193,8 +193,9 @@ class Settings(BaseSettings):
     """Host staging memory per device, allocated and touched once, reused by every load
     (pinned on CUDA). At most 1 GiB."""
     loader_direct_io: bool = True
-    """Read pages that are not in the page cache with O_DIRECT (where the filesystem
-    allows it); resident pages are always read through the page cache."""
+    """Read each chunk of a local file that the page cache does not hold whole with
+    O_DIRECT into huge-page memory (where the filesystem allows it); cached chunks are
+    always read through the page cache."""
 
     # --- async jobs (ember/jobs) ---
     jobs_api_url: str | None = None
