@@ -25,8 +25,9 @@ How ``decide`` works, all in model units per second:
    already does so adds nothing); async jobs drain within ``async_drain_s``. **Panic**
    when the queue grows while demand exceeds hot capacity: size for the last tick's
    demand and the queue at full utilization and never scale down meanwhile.
-4. Scale-down only after ``stabilization_s`` (the most hot replicas recommended in that
-   window stays; queue and panic capacity after ``burst_hold_s``), ``idle_hold_s``
+4. Scale-down only after ``stabilization_s`` (the most hot replicas the forecast
+   recommended in that window stays; queue and panic capacity after ``burst_hold_s``; the
+   burst guard's as its envelope decays, over ``burst_decay_s``), ``idle_hold_s``
    after the last request for a model without a hot floor, and **one tier at a time**: a
    hot replica becomes warm, stays warm for ``warm_keep_s``, then standby until
    ``standby_keep_s`` (by default no longer: the standby tier is the shared pool), then
@@ -84,19 +85,38 @@ class TierCounts:
 
 @dataclass(frozen=True, slots=True)
 class PromotionTimes:
-    """Seconds from a tier to serving (p95, learned online by the controller)."""
+    """Seconds from a tier to serving (p95; the pools controller learns them online).
 
-    warm_s: float = 2.0
-    """Weights in host RAM: one host-to-device copy (~1 GiB model)."""
-    standby_s: float = 5.0
-    """Process up, no weights: stream from NVMe at ~1.5 GB/s plus the copy."""
-    cold_s: float = 30.0
-    """Nothing alive: spawn, imports, load."""
+    The defaults are what ``bench/coldstart.py`` measured on this project's machine for a
+    1 GiB model (see :data:`PROMOTION_SOURCE`); ``ember simulate``, ``bench/autoscale.py``
+    and the controller (until it has measured its own) all start from them.
+    """
+
+    warm_s: float = 0.6
+    """Weights in host RAM: one host-to-device copy of the 1 GiB (0.55 s at 1.9 GB/s, the
+    slowest memcpy measured here; on CPU warm -> hot is a flag, 0.19 s to first response)."""
+    standby_s: float = 2.5
+    """Process up, no weights: stream them from the NVMe cache (2.46 s measured)."""
+    cold_s: float = 8.0
+    """Nothing alive: spawn, imports, load from the NVMe cache (7.9 s measured; 17.0 s when
+    the cache is empty and the object store fills it)."""
 
     def of(self, tier: Tier) -> float:
         if tier is Tier.HOT:
             return 0.0
         return {Tier.WARM: self.warm_s, Tier.STANDBY: self.standby_s, Tier.COLD: self.cold_s}[tier]
+
+    def describe(self) -> str:
+        return f"warm {self.warm_s:g} s, standby {self.standby_s:g} s, cold {self.cold_s:g} s"
+
+
+PROMOTION_SOURCE = (
+    "bench/coldstart.py, 1 GiB model, first response: warm 0.19 s + a 1 GiB host-to-device "
+    "copy, standby 2.46 s (NVMe cache, page cache dropped), cold 7.9 s (spawn + imports + "
+    "NVMe load)"
+)
+"""Where :class:`PromotionTimes`' defaults come from (printed by ``ember simulate`` and
+``bench/autoscale.py``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,10 +426,10 @@ def decide(
     reasons: list[str] = []
     base = _ceil(forecast / (cap * cfg.target_utilization))
     reasons.append(f"forecast {forecast:.3g} u/s at +{lead:g}s (lead from {source}) -> {base}")
-    if _ceil(guard / cap) > base:
-        base = _ceil(guard / cap)
-        reasons.append(f"burst guard {guard:.3g} u/s -> {base}")
     want = base
+    if _ceil(guard / cap) > want:
+        want = _ceil(guard / cap)
+        reasons.append(f"burst guard {guard:.3g} u/s -> {want}")
     if drain > _EPS:
         # Arrivals keep coming at the forecast rate; what is left over drains the queue.
         # Hot headroom that already does so adds nothing (a queue that outgrows it is a
@@ -511,6 +531,44 @@ def _next_eval(obs: Observation, st: EmberState, cfg: EmberConfig, now: float, i
         else:
             expiries.append((math.floor(now / cfg.profile_bin_s) + 1) * cfg.profile_bin_s)
     return min(expiries, default=math.inf)
+
+
+# ----------------------------------------------------------------- shared standby pool
+
+
+@dataclass(frozen=True, slots=True)
+class StandbyPoolConfig:
+    """Size of the standby pool every deployment shares (generic processes, runtime
+    imported, no weights): one more than the most wake-ups it has seen within one
+    replacement time, never fewer than ``minimum``."""
+
+    replenish_s: float = PromotionTimes().cold_s - PromotionTimes().standby_s
+    """A process put to use is replaced by spawning a new one (interpreter and imports, no
+    weights: a cold start less the weight load)."""
+    margin: int = 1
+    minimum: int = 1
+
+    def size(self, state: StandbyPoolState) -> int:
+        return max(self.minimum, state.peak + self.margin)
+
+
+@dataclass(frozen=True, slots=True)
+class StandbyPoolState:
+    recent: tuple[float, ...] = ()
+    """Standby processes asked for within the last ``replenish_s``."""
+    peak: int = 0
+    """The most asked for within any ``replenish_s`` so far."""
+
+
+def size_standby_pool(
+    state: StandbyPoolState, cfg: StandbyPoolConfig, now: float
+) -> tuple[int, StandbyPoolState]:
+    """Pure: count one standby process asked for at ``now`` (found or not) and return the
+    pool size to hold from now on with the new state. Only the past counts: a pool that ran
+    dry learns from it and is larger the next time."""
+    recent = (*(t for t in state.recent if t > now - cfg.replenish_s), now)
+    new = StandbyPoolState(recent, max(state.peak, len(recent)))
+    return cfg.size(new), new
 
 
 # ---------------------------------------------------------------------------- wrapper

@@ -18,8 +18,24 @@ import typer
 
 from ember.costmodel import CostModel
 from ember.pools import policies as pol
-from ember.pools.autoscaler import Autoscaler, EmberConfig, EmberState, PromotionTimes, decide
-from ember.pools.simulator import SimConfig, SimResult, TierCost, simulate, unit_costs
+from ember.pools.autoscaler import (
+    PROMOTION_SOURCE,
+    Autoscaler,
+    EmberConfig,
+    EmberState,
+    PromotionTimes,
+    StandbyPoolConfig,
+    decide,
+)
+from ember.pools.simulator import (
+    SharedStandby,
+    SimConfig,
+    SimResult,
+    TierCost,
+    simulate,
+    simulate_catalogue,
+    unit_costs,
+)
 from ember.pools.traces import (
     Trace,
     default_traces_dir,
@@ -100,22 +116,26 @@ def run_policy(name: str, trace: Trace, dep: Deployment, sim: SimConfig) -> SimR
     return simulate(trace, scaler, sim, policy_name=name)
 
 
-def combine(results: Sequence[SimResult], name: str) -> SimResult:
-    """Many models' results for one policy, as one catalogue."""
-    first = results[0]
-    cat = np.concatenate
-    return SimResult(
-        policy=name,
-        arrivals_s=cat([r.arrivals_s for r in results]),
-        wait_s=cat([r.wait_s for r in results]),
-        shed=cat([r.shed for r in results]),
-        cold_wait=cat([r.cold_wait for r in results]),
-        replica_s={k: sum(r.replica_s[k] for r in results) for k in first.replica_s},
-        weighted_cost=sum(r.weighted_cost for r in results),
-        decisions=sum(r.decisions for r in results),
-        slo_wait_s=first.slo_wait_s,
-        warmup_s=first.warmup_s,
-    )
+STANDBY_POLICIES = ("ember",)
+"""Policies with a standby tier: in a catalogue they share one pool of standby processes
+(Knative and Ray start pods from nothing)."""
+
+
+def standby_pool_config(promotion: PromotionTimes) -> StandbyPoolConfig:
+    """The shared standby pool for these promotion times: a process put to use is replaced
+    by a new one in a cold start less the weight load."""
+    return StandbyPoolConfig(replenish_s=max(promotion.cold_s - promotion.standby_s, 0.0))
+
+
+def run_catalogue(
+    name: str, traces: Sequence[Trace], dep: Deployment, sim: SimConfig
+) -> tuple[list[SimResult], SharedStandby | None]:
+    """Every trace as its own model, all replayed together; a policy with a standby tier
+    shares one causally sized standby pool across them."""
+    scalers = [make_autoscaler(name, tr, dep, sim.cost_model) for tr in traces]
+    shared = name.partition("@")[0] in STANDBY_POLICIES
+    pool = standby_pool_config(sim.promotion) if shared else None
+    return simulate_catalogue(traces, scalers, sim, standby=pool, policy_name=name)
 
 
 def table(title: str, rows: dict[str, dict[str, float]], reference: str | None) -> str:
@@ -179,9 +199,15 @@ def simulate_command(
     min_hot: Annotated[int, typer.Option()] = 1,
     max_replicas: Annotated[int, typer.Option()] = 100,
     target_utilization: Annotated[float, typer.Option()] = 0.7,
-    warm_s: Annotated[float, typer.Option(help="Warm -> hot seconds.")] = 2.0,
-    standby_s: Annotated[float, typer.Option(help="Standby -> hot seconds.")] = 5.0,
-    cold_s: Annotated[float, typer.Option(help="Cold -> hot seconds.")] = 30.0,
+    warm_s: Annotated[
+        float, typer.Option(help="Warm -> hot seconds (default: bench/coldstart.py, 1 GiB).")
+    ] = PromotionTimes().warm_s,
+    standby_s: Annotated[
+        float, typer.Option(help="Standby -> hot seconds (default: measured, as above).")
+    ] = PromotionTimes().standby_s,
+    cold_s: Annotated[
+        float, typer.Option(help="Cold -> hot seconds (default: measured, as above).")
+    ] = PromotionTimes().cold_s,
     warm_cost: Annotated[float, typer.Option(help="Warm cost rate (hot = 1).")] = 0.1,
     standby_cost: Annotated[float, typer.Option(help="Standby cost rate (hot = 1).")] = 0.03,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object too.")] = False,
@@ -191,9 +217,11 @@ def simulate_command(
         policy = ["ember"]
     names = list(POLICY_NAMES) if policy == ["all"] else policy
     tr = load_trace(trace, traces_dir or default_traces_dir(), seed, mean_rps)
+    promotion = PromotionTimes(warm_s, standby_s, cold_s)
+    typer.echo(f"promotion to hot: {promotion_line(promotion)}")
     sim = SimConfig(
         cost_model=BENCH_COST_MODEL,
-        promotion=PromotionTimes(warm_s, standby_s, cold_s),
+        promotion=promotion,
         tier_cost=TierCost(1.0, warm_cost, standby_cost),
         slo_wait_s=slo_s,
         warmup_s=warmup_s,
@@ -210,7 +238,14 @@ def simulate_command(
         )
     )
     if as_json:
-        typer.echo(json.dumps(rows))
+        times = {"warm_s": warm_s, "standby_s": standby_s, "cold_s": cold_s}
+        typer.echo(json.dumps({"promotion": times, "policies": rows}))
+
+
+def promotion_line(promotion: PromotionTimes) -> str:
+    """The promotion times used and where they come from, for the output."""
+    source = PROMOTION_SOURCE if promotion == PromotionTimes() else "set by flags"
+    return f"{promotion.describe()} ({source})"
 
 
 def make_app() -> typer.Typer:

@@ -95,6 +95,10 @@ class ManagedReplica:
     detected_after_s: float | None = None
     adopted: bool = False
     """Found running (a follower's view, or taken over on election), not launched here."""
+    source: str = "cold"
+    """How it was started: ``cold`` (a new process) or ``standby`` (a standby one assigned)."""
+    then_tier: str | None = None
+    """``warm``: a warm spare started from nothing, demoted to warm once loaded."""
 
     def public(self) -> dict[str, Any]:
         return {
@@ -153,6 +157,7 @@ class PoolsController:
         max_restarts: int = 3,
         leader: LeaseElection | None = None,
         autoscale: dict[str, float] | None = None,
+        fill_warm: bool = False,
     ) -> None:
         self.db = db
         self.backend = backend
@@ -178,7 +183,13 @@ class PoolsController:
         self.scalers: dict[tuple[tuple[int, str], str], Autoscaler[EmberState, EmberConfig]] = {}
         self.targets: dict[tuple[tuple[int, str], str], TierCounts] = {}
         self.demand: dict[tuple[tuple[int, str], str], list[float]] = {}
-        self.startup_s: list[float] = []
+        # Seconds to serving, per tier promoted from (the last 50 of each): the autoscaler's
+        # lead is their p95 (PromotionTimes' measured defaults until a tier has samples).
+        self.promotion_s: dict[str, list[float]] = {"warm": [], "standby": [], "cold": []}
+        self.fill_warm = fill_warm
+        """Start replicas into the warm tier when the autoscaler wants more warm ones than
+        demoting hot ones gives. Off by default: on the local (CPU) backend a warm replica
+        holds as much memory as a hot one."""
         self.autoscale_every_s = 1.0
         self.autoscale_knobs = dict(autoscale or {})
         """EmberConfig knobs for every deployment (``idle_hold_s``, ``warm_keep_s``)."""
@@ -242,6 +253,7 @@ class PoolsController:
         self._autoscale()
         self._scale()
         await self._retire()
+        self._fill_warm()
         self._keep_standby()
         self.metrics.observe(self)
 
@@ -470,7 +482,10 @@ class PoolsController:
             if (replica.key, replica.version) in self.woken:  # serve the wake-up, then scale
                 idle_hold = self.autoscale_knobs.get("idle_hold_s", WAKE_HOLD_S)
                 self.woken[(replica.key, replica.version)] = replica.ready_at + idle_hold
-            if replica.key[1] and replica.tier == "hot":
+            if replica.key[1] and replica.tier == "hot" and replica.then_tier == "warm":
+                replica.then_tier = None  # a warm spare: loaded, now demoted (not routed)
+                self._change_tier(replica, "warm")
+            elif replica.key[1] and replica.tier == "hot":
                 replica.route = Route(
                     replica.handle.replica_id, replica.handle.url, replica.version
                 )
@@ -479,7 +494,7 @@ class PoolsController:
                 self.metrics.cold_start.labels(
                     model=replica.model, version=replica.version
                 ).observe(took)
-                self.startup_s = [*self.startup_s[-49:], took]
+                self._promoted(replica.source, took)
                 self.failures.pop((replica.key, replica.version), None)
             self._event("ready", replica, startup_s=round(replica.ready_at - replica.started_at, 3))
 
@@ -558,11 +573,21 @@ class PoolsController:
         if admitted:
             arrived_admitted[1] += units
 
+    def _promoted(self, tier: str, seconds: float) -> None:
+        self.promotion_s[tier] = [*self.promotion_s[tier][-49:], seconds]
+
     def _promotion_times(self) -> PromotionTimes:
-        if not self.startup_s:
-            return PromotionTimes()
-        cold = sorted(self.startup_s)[int(0.95 * (len(self.startup_s) - 1))]
-        return PromotionTimes(warm_s=1.0, standby_s=min(cold, 5.0), cold_s=cold)
+        """p95 of what each tier took here; a tier not yet measured keeps the default (the
+        measured figures of ``bench/coldstart.py``), never above the next slower tier."""
+        default = PromotionTimes()
+
+        def p95(tier: str, otherwise: float) -> float:
+            xs = sorted(self.promotion_s[tier])
+            return xs[int(0.95 * (len(xs) - 1))] if xs else otherwise
+
+        cold = p95("cold", default.cold_s)
+        standby = p95("standby", min(default.standby_s, cold))
+        return PromotionTimes(p95("warm", min(default.warm_s, standby)), standby, cold)
 
     def _autoscale(self) -> None:
         now = time.monotonic()
@@ -578,6 +603,14 @@ class PoolsController:
     def _step(
         self, key: tuple[int, str], view: DeploymentView, version: str, dt: float
     ) -> TierCounts:
+        return (
+            self.scaler(key, view, version).step(self.observation(key, view, version, dt)).desired
+        )
+
+    def scaler(
+        self, key: tuple[int, str], view: DeploymentView, version: str
+    ) -> Autoscaler[EmberState, EmberConfig]:
+        """The version's autoscaler: ``decide`` with the deployment's pool policy."""
         scaler = self.scalers.get((key, version))
         if scaler is None:
             config = EmberConfig.from_policy(
@@ -587,12 +620,18 @@ class PoolsController:
                 config, clock=time.monotonic, model=view.model, version=version
             )
             self.scalers[(key, version)] = scaler
+        return scaler
+
+    def observation(
+        self, key: tuple[int, str], view: DeploymentView, version: str, dt: float
+    ) -> Observation:
+        """What the version saw over the last ``dt`` seconds (takes the gateway's count)."""
         mine = [r for r in self.replicas.values() if r.key == key and r.version == version]
         hot = [r for r in mine if r.state == "ready" and r.tier == "hot"]
         arrived, admitted = self.demand.pop((key, version), [0.0, 0.0])
         inflight = sum(r.route.inflight_units for r in hot if r.route)
         unit = view.cost(version).cost(1)
-        obs = Observation(
+        return Observation(
             interval_s=dt,
             arrived_units_per_s=arrived / dt,
             admitted_units_per_s=admitted / dt,
@@ -605,10 +644,13 @@ class PoolsController:
                 warm=sum(1 for r in mine if r.state == "ready" and r.tier == "warm"),
                 standby=sum(1 for r in self.replicas.values() if r.state == "standby"),
             ),
-            promoting=sum(1 for r in mine if r.state == "starting"),
+            promoting=sum(
+                1
+                for r in mine
+                if r.state == "promoting" or (r.state == "starting" and r.then_tier is None)
+            ),
             promotion=self._promotion_times(),
         )
-        return scaler.step(obs).desired
 
     def _scale(self) -> None:
         for key, view in self.deployments.items():
@@ -619,14 +661,19 @@ class PoolsController:
                     for r in mine
                     if r.state == "starting" or (r.state == "ready" and r.tier == "hot")
                 ]
+                have = [r for r in have if r.then_tier is None]
                 warm = [r for r in mine if r.state == "ready" and r.tier == "warm"]
+                # Warm spares still loading: on their way anyway, they stay hot instead.
+                warm += [r for r in mine if r.state == "starting" and r.then_tier == "warm"]
                 if self.failures.get((key, version), 0) >= self.max_restarts:
                     continue  # crash-looping: leave it failed (visible in /replicas) until changed
                 for i in range(want - len(have)):
-                    if i < len(warm):  # the fastest tier first: warm -> hot is one copy
-                        self._change_tier(warm[i], "hot")
-                    else:
+                    if i >= len(warm):
                         self._start(view, version)
+                    elif warm[i].state == "starting":
+                        warm[i].then_tier = None
+                    else:  # the fastest tier first: warm -> hot is one copy
+                        self._change_tier(warm[i], "hot")
 
     def _change_tier(self, replica: ManagedReplica, tier: str) -> None:
         replica.state = "promoting" if tier == "hot" else "demoting"
@@ -645,6 +692,8 @@ class PoolsController:
             self._fail(replica, f"tier change to {tier} failed")
             return
         replica.state, replica.tier, replica.last_ok = "ready", tier, time.monotonic()
+        if tier == "hot":
+            self._promoted("warm", time.monotonic() - started)
         self._event("tier", replica, tier=tier, seconds=round(time.monotonic() - started, 3))
 
     def _spawn(self, coro: Any) -> None:
@@ -652,7 +701,34 @@ class PoolsController:
         self._assigning.add(task)
         task.add_done_callback(self._assigning.discard)
 
-    def _start(self, view: DeploymentView, version: str) -> None:
+    def _fill_warm(self) -> None:
+        """With ``fill_warm``: start replicas into the warm tier (loaded, then demoted) when
+        the autoscaler wants more warm ones for a production version than it has or will
+        have (ready warm, being demoted, warm spares starting, and hot replicas above the
+        hot target, which ``_retire`` demotes)."""
+        if not self.fill_warm:
+            return
+        for key, view in self.deployments.items():
+            version = view.production
+            target = self.targets.get((key, version)) if version is not None else None
+            if version is None or target is None or target.warm <= 0:
+                continue
+            if self.failures.get((key, version), 0) >= self.max_restarts:
+                continue
+            mine = [r for r in self.replicas.values() if r.key == key and r.version == version]
+            hot = sum(1 for r in mine if r.state == "ready" and r.tier == "hot")
+            coming = sum(
+                1
+                for r in mine
+                if (r.state == "ready" and r.tier == "warm")
+                or r.state == "demoting"
+                or (r.state == "starting" and r.then_tier == "warm")
+            )
+            surplus = max(0, hot - self.desired(view).get(version, 0))
+            for _ in range(target.warm - coming - surplus):
+                self._start(view, version, then_tier="warm")
+
+    def _start(self, view: DeploymentView, version: str, *, then_tier: str | None = None) -> None:
         spec = view.specs[version]
         options = LaunchOptions(
             view.policy.max_batch_size,
@@ -673,18 +749,25 @@ class PoolsController:
             self.backend.assigned(standby.handle, spec, options)
             del self.replicas[standby.handle.replica_id]
             replica = ManagedReplica(
-                standby.handle, (view.tenant_id, view.name), view.model, version
+                standby.handle,
+                (view.tenant_id, view.name),
+                view.model,
+                version,
+                source="standby",
+                then_tier=then_tier,
             )
             self.replicas[replica.handle.replica_id] = replica
             task = asyncio.get_running_loop().create_task(self._assign(replica, spec))
             self._assigning.add(task)
             task.add_done_callback(self._assigning.discard)
-            self._event("assigned", replica, from_tier="standby")
+            self._event("assigned", replica, from_tier="standby", then_tier=then_tier)
             return
         handle = self.backend.launch(spec, options)
-        replica = ManagedReplica(handle, (view.tenant_id, view.name), view.model, version)
+        replica = ManagedReplica(
+            handle, (view.tenant_id, view.name), view.model, version, then_tier=then_tier
+        )
         self.replicas[handle.replica_id] = replica
-        self._event("starting", replica, pid=handle.pid, port=handle.port)
+        self._event("starting", replica, pid=handle.pid, port=handle.port, then_tier=then_tier)
 
     async def _assign(self, replica: ManagedReplica, spec: dict[str, Any]) -> None:
         with contextlib.suppress(httpx.HTTPError):

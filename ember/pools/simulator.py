@@ -21,16 +21,21 @@ The model (stated, because it is an approximation):
 - Tiers: a promotion comes from warm, then standby, then cold. Demotion is instant; a
   start still in progress is cancelled before a ready replica is demoted. Replicas cost
   ``hot`` while promoting.
-- Catalogues (many models, each its own simulation): :func:`catalogue` charges the
-  standby tier as one pool of generic processes shared by all models, sized so that
-  none ever finds it empty (:func:`shared_standby_pool`), as the pools controller runs it.
+- Catalogues (many models): :func:`simulate_catalogue` replays every model together, in
+  time order, against one :class:`SharedStandby` pool of generic processes (no weights), as
+  the pools controller keeps it. A model's standby floor is a claim on that pool, not a
+  process of its own: the start that uses the claim (its wake-up) takes a ready process (a
+  standby load) or, when the pool is empty, waits a cold start; other starts are cold. The
+  pool is sized causally (:func:`~ember.pools.autoscaler.size_standby_pool`: one more than
+  the most processes asked for within one replacement time so far) and charged for the
+  processes it holds, ready or spawning.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +43,15 @@ import numpy as np
 import numpy.typing as npt
 
 from ember.costmodel import CostModel
-from ember.pools.autoscaler import Autoscaler, Observation, PromotionTimes, TierCounts
+from ember.pools.autoscaler import (
+    Autoscaler,
+    Observation,
+    PromotionTimes,
+    StandbyPoolConfig,
+    StandbyPoolState,
+    TierCounts,
+    size_standby_pool,
+)
 from ember.pools.traces import Trace
 
 FloatArray = npt.NDArray[np.float64]
@@ -112,14 +125,68 @@ class SimResult:
         }
 
 
+class SharedStandby:
+    """A catalogue's pool of generic standby processes, sized causally and charged for
+    what it holds (see :func:`~ember.pools.autoscaler.size_standby_pool`)."""
+
+    def __init__(self, cfg: StandbyPoolConfig) -> None:
+        self.cfg = cfg
+        self.state = StandbyPoolState()
+        self.ready_at: list[float] = [-math.inf] * cfg.size(self.state)
+        """Per process: when it is (or was) ready; a taken one is replaced at once."""
+        self.sizes: list[tuple[float, int]] = [(-math.inf, len(self.ready_at))]
+        self.taken_s: list[float] = []
+        self.empty_s: list[float] = []
+        """When a start found no ready process (and waited a cold start instead)."""
+
+    def ready(self, now: float) -> int:
+        return sum(1 for t in self.ready_at if t <= now + _EPS)
+
+    def take(self, now: float) -> bool:
+        """A start asks for a process at ``now``: True when one was ready (it is replaced
+        by a new one, ready ``replenish_s`` later). The pool learns from the ask either way."""
+        size, self.state = size_standby_pool(self.state, self.cfg, now)
+        if size > len(self.ready_at):
+            self.ready_at += [now + self.cfg.replenish_s] * (size - len(self.ready_at))
+            self.sizes.append((now, size))
+        first = min(range(len(self.ready_at)), key=self.ready_at.__getitem__)
+        if self.ready_at[first] > now + _EPS:
+            self.empty_s.append(now)
+            return False
+        self.ready_at[first] = now + self.cfg.replenish_s
+        self.taken_s.append(now)
+        return True
+
+    def held_s(self, t0: float, t1: float) -> float:
+        """Process-seconds the pool held over ``[t0, t1]`` (ready or spawning)."""
+        steps = sorted(self.sizes)
+        total = 0.0
+        for (at, size), (nxt, _) in zip(steps, [*steps[1:], (math.inf, 0)], strict=True):
+            lo, hi = max(at, t0), min(nxt, t1)
+            if hi > lo:
+                total += size * (hi - lo)
+        return total
+
+    @property
+    def largest(self) -> int:
+        return max(size for _, size in self.sizes)
+
+
 class _Pool:
-    """Replica inventory of one model: counts per tier plus in-flight transitions."""
+    """Replica inventory of one model: counts per tier plus in-flight transitions.
+
+    With ``shared`` (a catalogue), the model holds no standby process of its own: its
+    ``standby`` count is the policy's standby floor as claims on the shared pool, set at
+    once and free. A start that holds a claim asks the pool (a standby load if a process
+    is ready, else a cold start); other starts are cold starts, as in a pool sized for
+    wake-ups they would mostly be."""
 
     def __init__(self, promo: PromotionTimes) -> None:
         self.promo = promo
         self.hot = 0
         self.warm = 0
         self.standby = 0
+        self.shared: SharedStandby | None = None
         self.promoting: list[tuple[float, str]] = []  # heap of (ready time, from tier)
         self.standby_takes: list[float] = []  # when a standby process was put to use
         self.creating: list[tuple[float, str, str]] = []  # heap of (ready time, tier, from)
@@ -127,7 +194,13 @@ class _Pool:
     def counts_for_cost(self) -> tuple[int, int, int]:
         cw = sum(1 for e in self.creating if e[1] == "warm")
         cs = len(self.creating) - cw
-        return self.hot + len(self.promoting), self.warm + cw, self.standby + cs
+        own = self.standby if self.shared is None else 0  # claims are the pool's to charge
+        return self.hot + len(self.promoting), self.warm + cw, own + cs
+
+    def ready_standby(self, now: float) -> int:
+        if self.shared is None:
+            return self.standby
+        return min(self.standby, self.shared.ready(now))
 
     def next_event(self) -> float:
         a = self.promoting[0][0] if self.promoting else math.inf
@@ -145,6 +218,15 @@ class _Pool:
             else:
                 self.standby += 1
 
+    def _take_standby(self, now: float) -> bool:
+        if not self.standby:
+            return False
+        self.standby -= 1
+        took = self.shared.take(now) if self.shared is not None else True
+        if took:
+            self.standby_takes.append(now)
+        return took
+
     def apply(self, want: TierCounts, now: float) -> None:
         p = self.promo
         have = self.hot + len(self.promoting)
@@ -152,9 +234,7 @@ class _Pool:
             if self.warm:
                 self.warm -= 1
                 heapq.heappush(self.promoting, (now + p.warm_s, "warm"))
-            elif self.standby:
-                self.standby -= 1
-                self.standby_takes.append(now)
+            elif self._take_standby(now):
                 heapq.heappush(self.promoting, (now + p.standby_s, "standby"))
             else:
                 heapq.heappush(self.promoting, (now + p.cold_s, "cold"))
@@ -165,22 +245,23 @@ class _Pool:
                 heapq.heapify(self.promoting)
                 if last[1] == "warm":
                     self.warm += 1
-                elif last[1] == "standby":
+                elif last[1] == "standby" and self.shared is None:
                     self.standby += 1
             else:
                 self.hot -= 1
                 self.warm += 1
         self._fill("warm", want.warm, now)
-        self._fill("standby", want.standby, now)
+        if self.shared is None:
+            self._fill("standby", want.standby, now)
+        else:  # claims on the shared pool: no process of its own to start or stop
+            self.standby = want.standby
 
     def _fill(self, tier: str, want: int, now: float) -> None:
         p = self.promo
         pending = sum(1 for e in self.creating if e[1] == tier)
         have = (self.warm if tier == "warm" else self.standby) + pending
         for _ in range(want - have):
-            if tier == "warm" and self.standby:
-                self.standby -= 1
-                self.standby_takes.append(now)
+            if tier == "warm" and self._take_standby(now):
                 ready = now + max(p.standby_s - p.warm_s, 0.0)
                 heapq.heappush(self.creating, (ready, tier, "standby"))
             else:
@@ -192,11 +273,12 @@ class _Pool:
                 last = max(e for e in self.creating if e[1] == tier)
                 self.creating.remove(last)
                 heapq.heapify(self.creating)
-                if last[2] == "standby":
+                if last[2] == "standby" and self.shared is None:
                     self.standby += 1
             elif tier == "warm":
                 self.warm -= 1
-                self.standby += 1
+                if self.shared is None:  # shared: the process stops (the pool is sized apart)
+                    self.standby += 1
             else:
                 self.standby -= 1
 
@@ -219,19 +301,59 @@ def simulate(
     a = trace.arrivals_s
     w = unit_costs(cm, trace) if len(a) else np.zeros(0)
     loop = _Loop(trace, w, autoscaler, config)
-    loop.run()
-    res = loop.result(policy_name)
-    res.trace = trace.name
-    res.duration_s = trace.duration_s
-    res.standby_takes_s = np.asarray(loop.pool.standby_takes, dtype=np.float64)
-    return res
+    for _ in loop.steps():
+        pass
+    return loop.result(policy_name)
+
+
+def simulate_catalogue(
+    traces: Sequence[Trace],
+    autoscalers: Sequence[Autoscaler[Any, Any]],
+    config: SimConfig,
+    *,
+    standby: StandbyPoolConfig | None = None,
+    policy_name: str = "",
+) -> tuple[list[SimResult], SharedStandby | None]:
+    """Replay many models together, each with its own autoscaler and replicas, in time
+    order; with ``standby``, the models' standby processes are one shared pool (a model's
+    standby floor is a claim on it: see :class:`_Pool`).
+
+    Models advance one tick at a time, the one furthest behind first, so the pool sees the
+    asks in time order (to within a tick: the order of two asks within one tick is the
+    models' order, not their exact times)."""
+    shared = SharedStandby(standby) if standby is not None else None
+    loops = [
+        _Loop(tr, unit_costs(config.cost_model, tr), sc, config, shared=shared)
+        for tr, sc in zip(traces, autoscalers, strict=True)
+    ]
+    runs = [loop.steps() for loop in loops]
+    heap: list[tuple[float, int]] = []
+    for i, run in enumerate(runs):
+        t = next(run, None)
+        if t is not None:
+            heap.append((t, i))
+    heapq.heapify(heap)
+    while heap:
+        _, i = heapq.heappop(heap)
+        t = next(runs[i], None)
+        if t is not None:
+            heapq.heappush(heap, (t, i))
+    return [loop.result(policy_name) for loop in loops], shared
 
 
 class _Loop:
     def __init__(
-        self, trace: Trace, work: FloatArray, autoscaler: Autoscaler[Any, Any], cfg: SimConfig
+        self,
+        trace: Trace,
+        work: FloatArray,
+        autoscaler: Autoscaler[Any, Any],
+        cfg: SimConfig,
+        *,
+        shared: SharedStandby | None = None,
     ) -> None:
         self.cfg = cfg
+        self.trace = trace
+        self.shared = shared
         self.a = trace.arrivals_s
         self.work = work
         self.scaler = autoscaler
@@ -302,7 +424,7 @@ class _Loop:
             inflight_units=served_rate * self.mean_cost,
             queued_units=self.backlog,
             capacity_units_per_s=self.cap,
-            ready=TierCounts(p.hot, p.warm, p.standby),
+            ready=TierCounts(p.hot, p.warm, p.ready_standby(now)),
             promoting=len(p.promoting),
             promotion=self.cfg.promotion,
             # Little's law with a request's batch-1 latency = its cost in seconds.
@@ -325,11 +447,15 @@ class _Loop:
 
     # -- main loop
 
-    def run(self) -> None:
+    def steps(self) -> Iterator[float]:
+        """Run the replay; before each tick, yield its start (a catalogue interleaves the
+        models' ticks in time order: a tick only asks the shared pool at or after it)."""
         tick = self.cfg.tick_s
         self._decide(0.0)
         self.pool.complete(math.inf)  # deployed before the trace starts
         self.pool.promoting.clear()
+        if self.shared is not None:  # from now on, standby processes are the shared pool's
+            self.pool.shared = self.shared
         k = 0
         busy_i = 0
         limit = self.end_s + self.cfg.drain_limit_s
@@ -343,6 +469,7 @@ class _Loop:
             t = k * tick
             while busy_i < len(self.busy_bins) and self.busy_bins[busy_i] < k:
                 busy_i += 1
+            yield t
             self._tick(k, t, t + tick)
             k += 1
 
@@ -439,44 +566,32 @@ class _Loop:
             decisions=self.decisions,
             slo_wait_s=self.cfg.slo_wait_s,
             warmup_s=self.cfg.warmup_s,
+            trace=self.trace.name,
+            duration_s=self.trace.duration_s,
+            standby_takes_s=np.asarray(self.pool.standby_takes, dtype=np.float64),
         )
 
 
-def shared_standby_pool(results: Sequence[SimResult], replenish_s: float) -> int:
-    """Generic standby processes a catalogue needs so that none of its models ever finds
-    the pool empty: the most standby processes put to use within any ``replenish_s``
-    (a used process is replaced by spawning a new one: interpreter and imports, no
-    weights). At least one when any model uses the tier."""
-    takes = np.sort(np.concatenate([r.standby_takes_s for r in results] or [np.zeros(0)]))
-    uses = any(r.replica_s["standby"] > 0 for r in results)
-    if len(takes) == 0:
-        return 1 if uses else 0
-    ends = np.searchsorted(takes, takes + replenish_s - _EPS, side="left")
-    return int((ends - np.arange(len(takes))).max())
-
-
 def catalogue(
-    results: Sequence[SimResult], name: str, tier_cost: TierCost, *, replenish_s: float
-) -> tuple[SimResult, int]:
-    """Many models' results as one catalogue whose standby tier is one shared pool.
-
-    Standby processes hold no weights (DESIGN.md: "standby processes are generic"; the
-    pools controller keeps one pool for every deployment), so a catalogue pays for the
-    pool it needs (:func:`shared_standby_pool`), not for a standby replica per model.
-    Returns the combined result and the pool size.
-    """
-    pool = shared_standby_pool(results, replenish_s)
+    results: Sequence[SimResult],
+    name: str,
+    tier_cost: TierCost,
+    shared: SharedStandby | None = None,
+) -> SimResult:
+    """Many models' results as one catalogue; with ``shared``, the standby tier is the
+    shared pool's process-seconds (after the warm-up, to the longest trace's end)."""
     first = results[0]
-    counted = max((r.duration_s for r in results), default=0.0) - first.warmup_s
+    end = max((r.duration_s for r in results), default=0.0)
     replica_s = {k: sum(r.replica_s[k] for r in results) for k in first.replica_s}
-    replica_s["standby"] = pool * max(counted, 0.0)
+    if shared is not None:
+        replica_s["standby"] += shared.held_s(first.warmup_s, end)
     weighted = (
         tier_cost.hot * replica_s["hot"]
         + tier_cost.warm * replica_s["warm"]
         + tier_cost.standby * replica_s["standby"]
     )
     cat = np.concatenate
-    out = SimResult(
+    return SimResult(
         policy=name,
         arrivals_s=cat([r.arrivals_s for r in results]),
         wait_s=cat([r.wait_s for r in results]),
@@ -488,7 +603,6 @@ def catalogue(
         slo_wait_s=first.slo_wait_s,
         warmup_s=first.warmup_s,
         trace="catalogue",
-        duration_s=counted + first.warmup_s,
+        duration_s=end,
         standby_takes_s=np.sort(cat([r.standby_takes_s for r in results])),
     )
-    return out, pool

@@ -223,3 +223,17 @@ def test_predicted_use_keeps_the_warm_floor_through_an_idle_spell() -> None:
     # Day 4, 15:00: never used around then -> standby floor.
     off = decide(obs(0.0, hot=0, warm=1, dt=3600.0), st, cfg, 3 * day + 15 * 3600.0)
     assert off.desired == TierCounts(hot=0, warm=0, standby=1)
+
+
+def test_the_burst_guard_follows_its_own_decay_not_the_stabilization_window() -> None:
+    # 10 s at 60 u/s on a 2 u/s model: the burst guard (the short-window demand at full
+    # utilization) adds hot replicas at once; after the burst they go as its envelope
+    # decays (burst_decay_s), not held for stabilization_s on top of that decay. Sustained
+    # demand (the forecast) is still held for the stabilization window.
+    cfg = EmberConfig(max_replicas=50)
+    quiet = run(cfg, [2.0] * 600)
+    burst = run(cfg, [60.0] * 10, t0=600.0, state=quiet[-1].state)
+    after = run(cfg, [2.0] * 120, t0=610.0, state=burst[-1].state)
+    assert burst[-1].desired.hot >= 5 and any("burst guard" in r for r in burst[-1].reasons)
+    assert after[34].desired.hot <= 2 < burst[-1].desired.hot  # 35 s after, not 60
+    assert after[-1].desired.hot == 1

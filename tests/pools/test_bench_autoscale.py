@@ -62,3 +62,33 @@ def test_bursty_scenario_alone(tmp_path: Path) -> None:
         assert f"\n{policy} " in table
     assert "bursty/ember: SLO misses" in table
     assert "dense" not in table and "sparse" not in table  # only the scenario asked for
+
+
+def write_servegen(directory: Path, rates: list[list[float]]) -> None:
+    """One ServeGen client file per row of ``rates`` (req/s per 10-minute window)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for n, client in enumerate(rates):
+        rows = [f"{600 * k},{r},1.0,{'Gamma' if r else ''},{1.0 if r else 0},0" for k, r in
+                enumerate(client)]  # fmt: skip
+        (directory / f"chunk-{n}-trace.csv").write_text("\n".join(rows) + "\n")
+
+
+def test_sparse_scenario_shares_one_causal_standby_pool(tmp_path: Path) -> None:
+    # Three sparse clients that wake up now and then over two hours.
+    rates = [
+        [0.02, 0, 0, 0.03, 0, 0, 0, 0.02, 0, 0, 0, 0.04],
+        [0, 0.01, 0, 0.03, 0, 0, 0, 0, 0.02, 0, 0, 0.04],
+        [0.04, 0, 0, 0, 0, 0.02, 0, 0, 0, 0, 0.01, 0.04],
+    ]
+    write_servegen(tmp_path / "servegen" / "language" / "m-large", rates)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "autoscale.py"), "--scenario", "sparse",
+         "--traces-dir", str(tmp_path), "--processes", "1"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    lines = out.stdout.strip().splitlines()
+    verdict = json.loads(lines[-1])
+    assert verdict["sparse_standby_pool"] >= 2  # one process to start with, then learned
+    assert verdict["sparse_standby_empty"] >= 0 and 0 <= verdict["sparse_over_slo"] <= 100
+    assert "promotion to hot: warm 0.6 s, standby 2.5 s, cold 8 s" in out.stdout
+    assert "ember: largest" in out.stdout  # the shared pool's size and use are printed

@@ -14,17 +14,18 @@ from ember.pools.autoscaler import (
     EmberConfig,
     EmberState,
     PromotionTimes,
+    StandbyPoolConfig,
     TierCounts,
     decide,
 )
 from ember.pools.simulator import (
+    SharedStandby,
     SimConfig,
-    SimResult,
     TierCost,
     _Pool,
     catalogue,
-    shared_standby_pool,
     simulate,
+    simulate_catalogue,
 )
 from ember.pools.traces import Trace, synthetic
 
@@ -136,31 +137,50 @@ def test_pending_starts_are_cancelled_before_ready_replicas() -> None:
     assert (pool.hot, pool.warm, pool.standby, pool.creating) == (1, 2, 0, [])
 
 
-def test_a_catalogue_shares_one_standby_pool() -> None:
-    # Scale-to-warm models that idle into the standby floor, then wake: each wake-up puts
-    # one standby process to use. Apart, one shared process serves them all; together,
-    # the pool must hold one per model waking within the replenish time.
+def test_the_shared_standby_pool_learns_its_size_from_what_was_asked() -> None:
+    pool = SharedStandby(StandbyPoolConfig(replenish_s=5.0))
+    assert (pool.ready(0.0), pool.largest) == (1, 1)  # one process to start with
+    assert pool.take(100.0)  # ready: taken, a replacement spawns (ready at 105)
+    assert pool.ready(100.0) == 0 and pool.ready(105.0) == 2  # grew to 1 + margin 1
+    assert pool.take(200.0) and pool.take(201.0)  # two within 5 s: both found one ...
+    assert not pool.take(202.0)  # ... a third did not (it waits a cold start) ...
+    assert pool.empty_s == [202.0] and pool.largest == 4  # ... and the pool grew to 3 + 1
+    assert all(pool.take(300.0 + i) for i in range(3))  # the next such burst is served
+    # Charged for what it held, ready or spawning: 1 until t=100, 2 until 201, 3, then 4.
+    assert pool.held_s(0.0, 400.0) == pytest.approx(100 + 2 * 101 + 3 * 1 + 4 * 198)
+
+
+def test_a_catalogue_shares_one_causally_sized_standby_pool() -> None:
+    # Scale-to-zero models (no warm floor or spares, so a wake-up asks for one process)
+    # that start from nothing three at a time, idle past their warm keep, then wake three
+    # at a time. The pool starts with one process: the first round, one start finds it and
+    # two wait a cold start, and the pool learns; the second round, each finds one.
     sim = SimConfig(cost_model=EIGHT, warmup_s=0.0, promotion=FAST)
-    cfg = EmberConfig(min_hot=0, scale_to_zero=True, max_replicas=4)
-
-    def model(wake: float) -> SimResult:
-        return simulate(trace([1.0, wake], 4000.0), scaler(decide, cfg, EmberState()), sim)
-
-    apart = [model(2000.0), model(3000.0)]
-    together = [model(2000.0), model(2001.0), model(2003.0)]
-    for r in apart + together:
-        assert len(r.standby_takes_s) == 1  # the wake-up, from the standby floor
-        assert r.wait_s[1] == pytest.approx(FAST.standby_s)  # a standby load, not a cold start
-        assert r.replica_s["standby"] > 0  # charged per model...
+    cfg = EmberConfig(min_hot=0, scale_to_zero=True, max_replicas=4, warm_spares=0,
+                      warm_spare_fraction=0.0, min_warm=0)  # fmt: skip
+    traces = [trace([1.0 + dt, 2000.0 + dt], 4000.0) for dt in (0.0, 1.0, 3.0)]
+    scalers = [scaler(decide, cfg, EmberState()) for _ in traces]
     replenish = FAST.cold_s - FAST.standby_s
-    assert shared_standby_pool(apart, replenish) == 1
-    assert shared_standby_pool(together, replenish) == 3
-    cat, pool = catalogue(apart, "ember", TierCost(), replenish_s=replenish)
-    assert pool == 1
-    assert cat.replica_s["standby"] == pytest.approx(4000.0)  # ... but one pool for both
-    assert cat.replica_s["hot"] == sum(r.replica_s["hot"] for r in apart)
-    tc = TierCost()
-    assert cat.weighted_cost == pytest.approx(
-        tc.hot * cat.replica_s["hot"] + tc.warm * cat.replica_s["warm"] + tc.standby * 4000.0
+    results, pool = simulate_catalogue(
+        traces, scalers, sim, standby=StandbyPoolConfig(replenish_s=replenish)
     )
-    assert len(cat.wait_s) == 4
+    assert pool is not None
+    first = [r.wait_s[0] for r in results]
+    second = [r.wait_s[1] for r in results]
+    assert first == pytest.approx([FAST.standby_s, FAST.cold_s, FAST.cold_s])
+    assert second == pytest.approx([FAST.standby_s] * 3)
+    assert pool.empty_s == [2.0, 4.0] and pool.largest == 4
+    assert all(r.replica_s["standby"] == 0 for r in results)  # no standby of their own
+    tc = TierCost()
+    cat = catalogue(results, "ember", tc, pool)
+    held = pool.held_s(0.0, 4000.0)
+    assert cat.replica_s["standby"] == pytest.approx(held)
+    assert held == pytest.approx(1 * 1 + 2 * 1 + 3 * 2 + 4 * (4000 - 4))  # grew at 1, 2, 4 s
+    assert cat.weighted_cost == pytest.approx(
+        tc.hot * cat.replica_s["hot"] + tc.warm * cat.replica_s["warm"] + tc.standby * held
+    )
+    assert len(cat.wait_s) == 6
+    # Without a shared pool, the same models replay alone exactly as ``simulate`` does.
+    alone, none = simulate_catalogue(traces[:1], [scaler(decide, cfg, EmberState())], sim)
+    single = simulate(traces[0], scaler(decide, cfg, EmberState()), sim)
+    assert none is None and np.array_equal(alone[0].wait_s, single.wait_s)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -74,3 +75,10 @@ def test_simulate_command(tmp_path: Path) -> None:
     assert out.exit_code == 0, out.output
     for name in ("ember", "knative", "ray", "static-peak", "reactive-min1"):
         assert name in out.output
+    # The promotion times used are printed: by default the measured ones, the bench's too.
+    assert "promotion to hot: warm 0.6 s, standby 2.5 s, cold 8 s (bench/coldstart.py" in out.output
+    flags = ["--trace", str(path), "--warmup-s", "0", "--cold-s", "20", "--json"]
+    custom = CliRunner().invoke(app, flags)
+    assert custom.exit_code == 0, custom.output
+    assert "cold 20 s (set by flags)" in custom.output
+    assert json.loads(custom.output.strip().splitlines()[-1])["promotion"]["cold_s"] == 20.0
