@@ -27,6 +27,25 @@ $VENV/bin/ruff check ember tests bench scripts
 $VENV/bin/ruff format --check ember tests bench scripts
 $VENV/bin/mypy
 
+# Two pytest workers (pytest-xdist; TEST_WORKERS to change, 0 for none): most tests
+# wait on real processes starting (engines import torch), so a second worker fills the
+# other core. --dist loadgroup keeps a file's tests (and its module fixtures) on one
+# worker, and the packages that share one platform (tests/conftest.py SHARED_PLATFORM)
+# together, in file order.
+# Each worker starts its own Redis / PostgreSQL / moto (session fixtures, free ports).
+# --durations: where the suite's time goes (it must stay well under 20 minutes).
+workers=${TEST_WORKERS:-2}
+xdist=()
+if [ "$workers" != 0 ]; then xdist=(-n "$workers" --dist loadgroup); fi
 mapfile -t first < <(ls -d tests/*/ tests/test_*.py | grep -v -e '^tests/engine_vllm/' -e '^tests/infra/')
-# --durations: where the suite's time goes (it must stay well under 20 minutes)
-$VENV/bin/python -m pytest --durations=25 "${first[@]}" tests/engine_vllm tests/infra "$@"
+status=0
+suite() {  # pytest with the workers; "no tests collected" (5: a filter that selects none
+  # of this phase) is not a failure, the first real failure is the script's status
+  local rc=0
+  $VENV/bin/python -m pytest "${xdist[@]}" "$@" || rc=$?
+  if [ "$rc" != 0 ] && [ "$rc" != 5 ] && [ "$status" = 0 ]; then status=$rc; fi
+}
+suite --durations=25 "${first[@]}" "$@"
+# Then the suites that wait for the background set-ups (they would hold a worker idle).
+suite --durations=10 tests/engine_vllm tests/infra "$@"
+exit "$status"

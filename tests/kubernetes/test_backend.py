@@ -119,7 +119,8 @@ def test_a_pod_stuck_pending_is_reported_with_its_reason_and_counted(
     make_backend: Make, cluster: FakeCluster
 ) -> None:
     cluster.unschedulable.add("nvidia-l40s")
-    backend = make_backend(k8s_pending_timeout_s=0.3)
+    # long enough for the fake kubelet to mark the pod unschedulable on a loaded machine
+    backend = make_backend(k8s_pending_timeout_s=3.0)
     handle = backend.launch(SPEC, OPTIONS)
     wait_for(lambda: backend.exited(handle) is not None, "the pending pod reported")
     assert backend.exited(handle) == UNPLACED
