@@ -108,6 +108,12 @@ def start_pools(settings: Settings, engine: Engine) -> Gateway:
             "warm_keep_s": settings.scale_warm_keep_s,
         },
     )
+    if not backend.replicas_outlive_controller:  # local processes share this host's RAM
+        from ember.pools.warmtier import SharedWarmTier
+
+        controller.warm_tier = SharedWarmTier.from_settings(settings)
+        if controller.warm_tier is not None:
+            controller.warm_tier.register_metrics(controller.metrics.registry)
     if controller.leader is not None and settings.redis_url:
         from ember.pools.demand import SharedDemand
 

@@ -50,6 +50,7 @@ from ember.pools.backends.base import (
 from ember.pools.demand import SharedDemand
 from ember.pools.metrics import PoolMetrics
 from ember.pools.router import Route
+from ember.pools.warmtier import SharedWarmTier
 from ember.registry import catalog
 from ember.registry.db import session_scope
 from ember.registry.schemas import PoolPolicy
@@ -210,6 +211,9 @@ class PoolsController:
         # gateways counted, the leader adds it to its own before each autoscaler step.
         self.shared_demand: SharedDemand | None = None
         self.async_queued: dict[tuple[int, str], float] = {}
+        # The shared warm tier (local backend, EMBER_WARM_SET_BYTES): versions with no ready
+        # replica held in host RAM, so a standby process promotes them at memory speed.
+        self.warm_tier: SharedWarmTier | None = None
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -231,6 +235,8 @@ class PoolsController:
         await self._http.aclose()
         if self.shared_demand is not None:
             self.shared_demand.close()
+        if self.warm_tier is not None:
+            await self.warm_tier.close()
 
     async def _run(self) -> None:
         while True:
@@ -255,6 +261,8 @@ class PoolsController:
         await self._retire()
         self._fill_warm()
         self._keep_standby()
+        if self.warm_tier is not None:
+            self.warm_tier.tick(self)
         self.metrics.observe(self)
 
     def refresh(self) -> None:
@@ -570,6 +578,8 @@ class PoolsController:
         """The gateway reports every arrival (admitted or shed) in model units."""
         arrived_admitted = self.demand.setdefault((key, version), [0.0, 0.0])
         arrived_admitted[0] += units
+        if self.warm_tier is not None:
+            self.warm_tier.demanded(key, version)
         if admitted:
             arrived_admitted[1] += units
 
@@ -748,19 +758,25 @@ class PoolsController:
         if standby is not None:
             self.backend.assigned(standby.handle, spec, options)
             del self.replicas[standby.handle.replica_id]
+            # A version the shared warm tier holds loads from host RAM: a warm promotion.
+            held = self.warm_tier is not None and self.warm_tier.holds(
+                view.model, version, str(spec.get("sha256") or "")
+            )
             replica = ManagedReplica(
                 standby.handle,
                 (view.tenant_id, view.name),
                 view.model,
                 version,
-                source="standby",
+                source="warm" if held else "standby",
                 then_tier=then_tier,
             )
             self.replicas[replica.handle.replica_id] = replica
             task = asyncio.get_running_loop().create_task(self._assign(replica, spec))
             self._assigning.add(task)
             task.add_done_callback(self._assigning.discard)
-            self._event("assigned", replica, from_tier="standby", then_tier=then_tier)
+            self._event(
+                "assigned", replica, from_tier="standby", then_tier=then_tier, warm_set=held
+            )
             return
         handle = self.backend.launch(spec, options)
         replica = ManagedReplica(

@@ -1,0 +1,127 @@
+"""The pools controller's side of the shared warm tier (``ember.loader.warmset``).
+
+Every few seconds it decides which versions the warm set holds: every routable version
+(production, canary) with no ready hot or warm replica of its own — a catalogue model
+scaled to zero, one waiting for a standby, a canary not started yet — most recently
+requested first, as far as ``EMBER_WARM_SET_BYTES`` goes. A version that has a ready
+replica is let go (its weights are in that process already). A standby process assigned a
+held version then reads it from host RAM; the controller records such a start as a
+promotion from the warm tier, so the autoscaler's lead for it is what it really takes.
+
+Only for the local process backend: the warm set is this host's page cache, and the
+replicas must read the same NVMe cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Gauge
+
+from ember.loader.cache import CacheKey, WeightCache
+from ember.loader.warmset import WarmSet
+from ember.logs import get_logger
+
+if TYPE_CHECKING:
+    from ember.config import Settings
+    from ember.pools.controller import PoolsController
+
+log = get_logger(__name__)
+Key = tuple[tuple[int, str], str]
+"""(tenant id, deployment), version"""
+
+
+class SharedWarmTier:
+    def __init__(self, warm_set: WarmSet, *, every_s: float = 2.0) -> None:
+        self.warm_set = warm_set
+        self.every_s = every_s
+        self.last_demand: dict[Key, float] = {}
+        self.held: frozenset[tuple[str, str, str]] = frozenset()
+        """(model, version, sha256) held after the last sync (read on the event loop)."""
+        self._last = -math.inf
+        self._task: asyncio.Task[list[CacheKey]] | None = None
+        self._bytes: Gauge | None = None
+        self._versions: Gauge | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> SharedWarmTier | None:
+        if settings.warm_set_bytes <= 0:
+            return None
+        return cls(WarmSet(WeightCache.from_settings(settings), settings.warm_set_bytes))
+
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        self._bytes = Gauge(
+            "ember_warm_set_bytes", "Bytes of weights the shared warm tier holds in host RAM.",
+            registry=registry,
+        )  # fmt: skip
+        self._versions = Gauge(
+            "ember_warm_set_versions", "Versions the shared warm tier holds in host RAM.",
+            registry=registry,
+        )  # fmt: skip
+
+    def demanded(self, key: tuple[int, str], version: str) -> None:
+        """A request arrived for the version (the gateway's hot path: one dict write)."""
+        self.last_demand[(key, version)] = time.monotonic()
+
+    def holds(self, model: str, version: str, sha256: str) -> bool:
+        return (model, version, sha256) in self.held
+
+    def wanted(self, controller: PoolsController) -> list[CacheKey]:
+        """Routable versions with no ready hot or warm replica, most recently requested
+        first (never requested: last, in the registry's order)."""
+        live = {
+            (r.key, r.version)
+            for r in controller.replicas.values()
+            if r.state == "ready" and r.tier in ("hot", "warm")
+        }
+        ranked: list[tuple[float, int, CacheKey]] = []
+        for key, view in controller.deployments.items():
+            for version, weight in view.traffic.items():
+                sha256 = str(view.specs.get(version, {}).get("sha256") or "")
+                if weight <= 0 or (key, version) in live or len(sha256) != 64:
+                    continue
+                last = self.last_demand.get((key, version), -math.inf)
+                ranked.append((-last, len(ranked), CacheKey(view.model, version, sha256)))
+        return [k for _, _, k in sorted(ranked)]
+
+    def tick(self, controller: PoolsController) -> None:
+        """Start a sync in a thread when one is due and none is running (reading a newly
+        held version in takes a buffered read of it; the control loop does not wait)."""
+        if self._task is not None:
+            if not self._task.done():
+                return
+            self._finish(self._task)
+            self._task = None
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            return
+        self._last = now
+        wanted = self.wanted(controller)
+        self._task = asyncio.get_running_loop().create_task(
+            asyncio.to_thread(self._sync, wanted), name="ember-warm-set"
+        )
+
+    def _sync(self, wanted: Iterable[CacheKey]) -> list[CacheKey]:
+        held = self.warm_set.sync(wanted)
+        self.warm_set.refresh()
+        return held
+
+    def _finish(self, task: asyncio.Task[list[CacheKey]]) -> None:
+        try:
+            keys = task.result()
+        except Exception:  # a bad sync must not stop the controller; the next one retries
+            log.exception("warm set sync failed")
+            return
+        self.held = frozenset((k.model, k.version, k.sha256) for k in keys)
+        if self._bytes is not None and self._versions is not None:
+            self._bytes.set(self.warm_set.bytes_held)
+            self._versions.set(len(keys))
+
+    async def close(self) -> None:
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+        await asyncio.to_thread(self.warm_set.close)
