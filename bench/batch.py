@@ -8,13 +8,22 @@ the same replica:
 - **row by row**: ``--row-calls`` sequential ``POST /v1/models/mlp:predict`` calls, one
   instance each (what a naive nightly script does);
 - **engine max**: ``POST /infer`` straight to the replica with full batches of
-  ``--batch`` instances, from ``--streams`` concurrent clients (no gateway, no queue);
-- **gateway max**: the same full batches through the gateway's ``:predict`` at the
-  ``batch`` priority, one at a time (what admission lets the batch class have in
-  flight): the data-plane ceiling the workers are under;
+  ``--batch`` instances, from ``--streams`` concurrent clients (no gateway, no queue), in
+  both request forms the replica takes: JSON (``{"instances": [...]}``) and a tensor
+  body (``application/x-ember-tensor``, the batch lane's form); the better of the two is
+  the engine max the batch run is compared with;
+- **gateway max**: the same full batches as tensor bodies through the gateway's
+  ``:predict`` at the ``batch`` priority, as many at once as the gateway's
+  ``X-Ember-Batch-Window`` allows the batch class (2 per replica): the data-plane
+  ceiling the workers are under;
 - **batch run**: ``POST /v1/batch/runs`` over a JSONL file of ``--rows`` rows, shards of
   ``--shard-rows``, ``--parallel`` shards at once; rows / (finished_at - started_at),
-  which includes planning, reading the input and writing the Parquet output.
+  which includes planning, reading the input and writing the Parquet output (polled
+  every 0.5 s, as ``ember batch run --wait`` polls).
+
+Under the table, the CPU each process spent per 1000 rows in each phase (API, replica,
+worker, this bench's clients), read from ``/proc``: on a shared machine the wall clock
+swings with the neighbours, this does much less.
 
 Side by side; the last line is one JSON object with ``batch_vs_engine_max`` and
 ``batch_vs_row_by_row``.
@@ -36,6 +45,7 @@ from datetime import datetime
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -47,6 +57,45 @@ KEY = "ek_bench-batch-admin-key-0123456789"
 X = [0.5] * 256
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process so far (0 once it is gone; Linux only)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def descendants(pid: int) -> list[int]:
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    found, frontier = [], [pid]
+    while frontier:
+        children = [p for p, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+class CpuMeter:
+    """CPU seconds per role (API, replica, worker, this bench's clients) between two
+    snapshots: where a phase's CPU went, which a busy machine's wall clock hides."""
+
+    def __init__(self, roles: dict[str, list[int]]) -> None:
+        self.roles = roles
+
+    def snapshot(self) -> dict[str, float]:
+        return {role: sum(cpu_seconds(p) for p in pids) for role, pids in self.roles.items()}
+
+    def per_krows(self, before: dict[str, float], rows: int) -> dict[str, float]:
+        after = self.snapshot()
+        return {r: round((after[r] - before[r]) * 1e6 / rows, 1) for r in self.roles}
+
+
 def row_by_row(client: httpx.Client, calls: int) -> float:
     t0 = time.perf_counter()
     for _ in range(calls):
@@ -54,13 +103,25 @@ def row_by_row(client: httpx.Client, calls: int) -> float:
     return calls / (time.perf_counter() - t0)
 
 
-def engine_max(url: str, batch: int, streams: int, calls: int) -> float:
-    body = {"instances": [X] * batch, "priority": "batch"}
+def tensor(batch: int) -> tuple[bytes, dict[str, str]]:
+    """A full batch as a tensor body, and its headers."""
+    from ember.engine.tensorbody import TensorBody
+
+    body = TensorBody.of(np.asarray([X] * batch, dtype=np.float32))
+    return body.data, {"Content-Type": body.content_type, "X-Ember-Priority": "batch"}
+
+
+def engine_max(url: str, batch: int, streams: int, calls: int, binary: bool) -> float:
+    if binary:
+        content, headers = tensor(batch)
+    else:
+        content = json.dumps({"instances": [X] * batch, "priority": "batch"}).encode()
+        headers = {"Content-Type": "application/json"}
 
     def stream(_: int) -> int:
         with httpx.Client(base_url=url, timeout=120) as http:
             for _ in range(calls):
-                http.post("/infer", json=body).raise_for_status()
+                http.post("/infer", content=content, headers=headers).raise_for_status()
         return calls * batch
 
     t0 = time.perf_counter()
@@ -69,15 +130,37 @@ def engine_max(url: str, batch: int, streams: int, calls: int) -> float:
     return rows / (time.perf_counter() - t0)
 
 
-def gateway_max(client: httpx.Client, batch: int, calls: int) -> float:
-    """Full batches through the gateway (``:predict``, batch priority), one at a time:
-    admission holds batch work to about one full batch per replica in flight, so this is
-    the data-plane ceiling a batch run's workers are under."""
-    body = {"instances": [X] * batch, "priority": "batch"}
+def gateway_max(client: httpx.Client, batch: int, calls: int) -> tuple[float, int]:
+    """Full batches through the gateway (``:predict``, batch priority, tensor bodies), as
+    many at once as the gateway's batch window allows: admission holds batch work to two
+    full batches per replica in flight, so this is the data-plane ceiling a batch run's
+    workers are under."""
+    content, headers = tensor(batch)
+    path = "/v1/models/mlp/versions/1:predict"
+    first = client.post(path, content=content, headers=headers)
+    first.raise_for_status()
+    window = max(1, int(first.headers.get("x-ember-batch-window", "0")) // batch)
+
+    def stream(n: int) -> int:
+        for _ in range(n):
+            while (
+                answer := client.post(path, content=content, headers=headers)
+            ).status_code == 429:
+                time.sleep(0.005)  # another stream's batch has not left the gateway yet
+            answer.raise_for_status()
+        return n * batch
+
     t0 = time.perf_counter()
-    for _ in range(calls):
-        client.post("/v1/models/mlp/versions/1:predict", json=body).raise_for_status()
-    return calls * batch / (time.perf_counter() - t0)
+    with concurrent.futures.ThreadPoolExecutor(window) as pool:
+        rows = sum(pool.map(stream, [calls // window] * window))
+    return rows / (time.perf_counter() - t0), rows
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def main() -> None:
@@ -143,11 +226,32 @@ def main() -> None:
         procs.append(spawn([EMBER, "worker"], env | {"EMBER_LOG_LEVEL": "INFO"}, worker_log))
         wait_until(lambda: b"ready" in worker_log.read_bytes(), 60, "the worker")
 
+        serve = procs[0].pid
+        engines = [p for p in descendants(serve) if b"engine" in _cmdline(p)]
+        meter = CpuMeter(
+            {
+                "api": [serve],
+                "replica": engines,
+                "worker": [procs[1].pid, *descendants(procs[1].pid)],
+                "bench": [os.getpid()],
+            }
+        )
+        cpu: dict[str, dict[str, float]] = {}
         row_by_row(client, 20)  # warm-up
         rr = row_by_row(client, args.row_calls)
-        engine_max(replica, args.batch, args.streams, 5)  # warm-up
-        em = engine_max(replica, args.batch, args.streams, max(10, args.rows // args.batch // 4))
-        gm = gateway_max(client, args.batch, max(10, args.rows // args.batch // 4))
+        calls = max(10, args.rows // args.batch // 4)
+        engine_max(replica, args.batch, args.streams, 5, binary=False)  # warm-up
+        before = meter.snapshot()
+        em_json = engine_max(replica, args.batch, args.streams, calls, binary=False)
+        cpu["engine max, JSON"] = meter.per_krows(before, calls * args.streams * args.batch)
+        engine_max(replica, args.batch, args.streams, 5, binary=True)  # warm-up
+        before = meter.snapshot()
+        em_binary = engine_max(replica, args.batch, args.streams, calls, binary=True)
+        cpu["engine max, tensor"] = meter.per_krows(before, calls * args.streams * args.batch)
+        em = max(em_json, em_binary)
+        before = meter.snapshot()
+        gm, gateway_rows = gateway_max(client, args.batch, calls)
+        cpu["gateway max"] = meter.per_krows(before, gateway_rows)
 
         data = tmp / "data" / "objects" / "batch" / "in.jsonl"
         data.parent.mkdir(parents=True, exist_ok=True)
@@ -160,6 +264,7 @@ def main() -> None:
             "shard_rows": args.shard_rows,
             "max_parallel_shards": args.parallel,
         }
+        before = meter.snapshot()
         started = client.post("/v1/batch/runs", json={"spec": spec})
         started.raise_for_status()
         run_id = started.json()["id"]
@@ -170,12 +275,17 @@ def main() -> None:
             run = client.get(f"/v1/batch/runs/{run_id}").json()
             return run["status"] in ("succeeded", "failed")
 
-        wait_until(done, 1800, "the batch run")
+        deadline = time.monotonic() + 1800
+        while not done():  # as often as `ember batch run --wait` polls
+            if time.monotonic() > deadline:
+                sys.exit(f"the batch run did not finish within 1800 s: {run}")
+            time.sleep(0.5)
         if run["status"] != "succeeded":
             sys.exit(f"the batch run failed: {run}")
         t0 = datetime.fromisoformat(str(run["started_at"])).timestamp()
         t1 = datetime.fromisoformat(str(run["finished_at"])).timestamp()
         br = args.rows / (t1 - t0)
+        cpu["batch run"] = meter.per_krows(before, args.rows)
     finally:
         stop(procs)
         redis_proc.terminate()
@@ -187,16 +297,27 @@ def main() -> None:
         f"{args.rows} rows in shards of {args.shard_rows}, {args.parallel} at once"
     )
     header = (
-        f"{'row by row (online)':>20} | {'engine max (/infer)':>20} | "
+        f"{'row by row (online)':>20} | {'engine max, JSON':>17} | {'engine max, tensor':>19} | "
         f"{'gateway max (:predict)':>22} | {'batch run':>14}"
     )
     print(header)
     print("-" * len(header))
-    print(f"{rr:>13.1f} rows/s | {em:>13.1f} rows/s | {gm:>15.1f} rows/s | {br:>7.1f} rows/s")
+    print(
+        f"{rr:>13.1f} rows/s | {em_json:>10.1f} rows/s | {em_binary:>12.1f} rows/s | "
+        f"{gm:>15.1f} rows/s | {br:>7.1f} rows/s"
+    )
+    roles = list(next(iter(cpu.values())))
+    print("\nCPU ms per 1000 rows, by process (wall clock aside: where each phase's CPU went)")
+    print(f"{'':>20} | " + " | ".join(f"{r:>8}" for r in roles) + f" | {'total':>8}")
+    for phase, used in cpu.items():
+        cells = " | ".join(f"{used[r]:>8.1f}" for r in roles)
+        print(f"{phase:>20} | {cells} | {sum(used.values()):>8.1f}")
     summary = {
         "rows": args.rows,
         "max_batch_size": args.batch,
         "row_by_row_rows_per_s": round(rr, 1),
+        "engine_max_json_rows_per_s": round(em_json, 1),
+        "engine_max_tensor_rows_per_s": round(em_binary, 1),
         "engine_max_rows_per_s": round(em, 1),
         "gateway_max_rows_per_s": round(gm, 1),
         "batch_vs_gateway_max": round(br / gm, 3),

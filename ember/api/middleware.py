@@ -107,10 +107,14 @@ class BodyLimit:
         await send_problem(scope, send, 413, "payload-too-large", "Payload too large", detail)
 
 
+TENSOR_MEDIA = b"application/x-ember-tensor"
+"""``:predict`` also takes a tensor body (``ember.engine.tensorbody``, the batch lane)."""
+
+
 class JsonBodies:
     """Control routes take JSON. A body without Content-Type is read as JSON (what a
     hand-written ``curl -X POST --data`` would mean); any other explicit type is a 415,
-    never a confusing schema error."""
+    never a confusing schema error — except a tensor body to ``:predict``."""
 
     def __init__(self, app: ASGIApp, prefixes: tuple[str, ...] = ("/v1/",)) -> None:
         self.app = app
@@ -130,7 +134,8 @@ class JsonBodies:
             scope = {**scope, "headers": [*scope["headers"], json_type]}
         else:
             media = ctype.split(b";")[0].strip().lower()
-            if media != b"application/json" and not media.endswith(b"+json"):
+            tensor = media == TENSOR_MEDIA and scope["path"].endswith(":predict")
+            if media != b"application/json" and not media.endswith(b"+json") and not tensor:
                 got = media.decode("latin-1")
                 detail = f"send JSON with Content-Type: application/json (got {got!r})"
                 title = "Unsupported media type"

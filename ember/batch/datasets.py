@@ -18,8 +18,13 @@ import io
 import json
 import os
 import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from ember.config import Settings
 from ember.errors import InvalidInput, LoaderError, PayloadTooLarge
@@ -172,13 +177,337 @@ def instance_of(row: dict[str, Any], column: str, fmt: str) -> Any:
     return value
 
 
+# --- a shard's rows, read for scoring ------------------------------------------------------
+
+#: Bytes after which ``str.splitlines`` / ``str.strip`` (how rows are counted) and a split
+#: on ``\n`` / ``bytes.strip`` could disagree: such a file takes the careful path.
+_ODD_ASCII = (b"\r", b"\x0b", b"\x0c", b"\x1c", b"\x1d", b"\x1e", b"\x1f")
+_ODD_TEXT = ("\x85", "\u2028", "\u2029")
+
+
+class Memo:
+    """What a file's shards derive from it and share, each value computed once (the
+    first caller computes it, the others wait for it)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.values: dict[str, Any] = {}
+
+    def get(self, name: str, compute: Callable[[], Any]) -> Any:
+        with self.lock:
+            if name not in self.values:
+                self.values[name] = compute()
+            return self.values[name]
+
+
+@dataclass
+class ShardRows:
+    """A shard's rows as the scorer needs them: the rows kept (their key columns, their
+    instances) and the rejected ones with their reasons, in row order."""
+
+    total: int
+    """Rows in the shard, kept or rejected."""
+    keys: dict[str, Any]
+    """Each key column as a pyarrow array, one value per kept row."""
+    instances: Any
+    """One per kept row: an array ``(rows, *shape)`` of the schema's dtype when the
+    version's ``input_schema`` has a shape (checked, ready for a tensor body), else a
+    list of JSON values."""
+    rejects: list[dict[str, Any]]
+    """``{"row": number, "reason": ...}``."""
+
+
+def tensor_schema(schema: dict[str, Any] | None) -> tuple[tuple[int, ...], str] | None:
+    """(shape, dtype) when instances of ``schema`` are fixed-shape numeric arrays."""
+    from ember.engine.tensorbody import DTYPES as WIRE
+
+    if not schema or "shape" not in schema:
+        return None
+    shape = schema["shape"]
+    dtype = schema.get("dtype", "float32")
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        return None
+    return (tuple(shape), dtype) if dtype in WIRE else None
+
+
+def read_shard(
+    data: bytes,
+    fmt: str,
+    uri: str,
+    start: int,
+    end: int,
+    key_columns: list[str],
+    column: str,
+    schema: dict[str, Any] | None,
+    memo: Memo | None = None,
+) -> ShardRows:
+    """Rows ``[start, end)`` of a file, checked against the version's ``input_schema``;
+    ``memo`` keeps what the file's other shards can reuse (its line offsets).
+
+    Columnar where it can be: Parquet, and JSONL through pyarrow's JSON reader; the
+    instances of a fixed-shape schema become one array with one shape check for the
+    whole shard, and only the rows that fail it are looked at one by one (their reasons
+    are those of ``ember.jobs.results.check_instances``). Anything irregular — a line
+    that is not JSON, a column whose type varies, nulls in a key column — takes the
+    row-by-row path, which gives every row its own reason."""
+    table: Any = None
+    if fmt == "parquet":
+        table = _parquet_slice(data, uri, start, end)
+    elif fmt == "jsonl":
+        table = _jsonl_table(data, start, end, memo)
+    if table is not None:
+        fast = _from_table(table, start, key_columns, column, schema, fmt)
+        if fast is not None:
+            return fast
+    # Parquet rows are the table's; a JSONL row's missing key only its own line shows.
+    if fmt == "parquet":
+        rows: list[dict[str, Any] | BadRow] = table.to_pylist()
+    else:
+        rows = parse_rows(data, fmt, uri, start, end)
+    return _from_rows(rows, start, key_columns, column, schema, fmt)
+
+
+def _parquet_slice(data: bytes, uri: str, start: int, end: int) -> Any:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(io.BytesIO(data))
+    except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ...
+        raise InvalidInput(f"{uri} is not a readable Parquet file: {exc}"[:500]) from exc
+    return table.slice(start, max(0, end - start))
+
+
+def _jsonl_table(data: bytes, start: int, end: int, memo: Memo | None) -> Any:
+    """Rows ``[start, end)`` of a JSONL file read by pyarrow, counted as ``parse_rows``
+    counts them (non-blank lines); None when the careful path must read them."""
+    import pyarrow as pa
+    import pyarrow.json as pj
+
+    memo = memo or Memo()
+    lines = memo.get("jsonl_lines", lambda: jsonl_lines(data))
+    if lines is None or not 0 <= start < end <= len(lines):
+        return None
+    first, cut = int(lines[start, 0]), int(lines[end - 1, 1])
+    try:
+        table = pj.read_json(pa.BufferReader(memoryview(data)[first:cut]))
+    except Exception:  # a line that is not a JSON object, a type that varies, ...
+        return None
+    return table if table.num_rows == end - start else None
+
+
+def jsonl_lines(data: bytes) -> np.ndarray[Any, Any] | None:
+    """``[start, stop)`` byte offsets of each non-blank line of a JSONL file, numbered as
+    ``parse_rows`` numbers them (``str.splitlines``, ``str.strip``), or None when only
+    that careful path can: other line breaks (``\\r``, ``\\x0b``, ``\\u2028``, ...),
+    a line of Unicode whitespace, text that is not UTF-8. Once per file: a worker keeps
+    it with the file for the file's other shards."""
+    if any(odd in data for odd in _ODD_ASCII):
+        return None
+    if not data.isascii():
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+        if any(odd in text for odd in _ODD_TEXT):
+            return None
+        del text
+    raw = np.frombuffer(data, dtype=np.uint8)
+    breaks = np.flatnonzero(raw == ord("\n"))
+    starts = np.concatenate(([0], breaks + 1))
+    stops = np.concatenate((breaks, [len(data)]))
+    keep = stops > starts
+    opens = np.zeros(len(starts), dtype=bool)  # a line that opens an object is not blank
+    opens[keep] = raw[starts[keep]] == ord("{")
+    for i in np.flatnonzero(keep & ~opens).tolist():
+        line = data[starts[i] : stops[i]]
+        if not line.isascii():  # Unicode whitespace: only str.strip knows
+            return None
+        keep[i] = bool(line.strip())
+    return np.stack([starts[keep], stops[keep]], axis=1)
+
+
+def _from_table(
+    table: Any,
+    start: int,
+    key_columns: list[str],
+    column: str,
+    schema: dict[str, Any] | None,
+    fmt: str,
+) -> ShardRows | None:
+    """The columnar path, or None where it cannot tell every row's fate by itself."""
+    import pyarrow as pa
+
+    from ember.jobs import results
+
+    tensor = tensor_schema(schema)
+    names = table.column_names
+    if tensor is None or column not in names or any(k not in names for k in key_columns):
+        return None
+    # A JSON null and a missing key both read as null here; only the row path tells them
+    # apart (a missing key column is a reject, an explicit null a value).
+    if fmt == "jsonl" and any(table.column(k).null_count for k in key_columns):
+        return None
+    shape, dtype = tensor
+    values = table.column(column).combine_chunks()
+    ok = _fits(values, shape)
+    if ok is None:
+        return None
+    everyone = bool(ok.all())
+    mask = None if everyone else pa.array(ok)
+    array = _values_array(values if mask is None else values.filter(mask), shape, dtype)
+    if array is None:
+        return None
+    rejects: list[dict[str, Any]] = []
+    for i in np.flatnonzero(~ok).tolist():  # the rows that do not fit: why
+        instance = values[i].as_py()
+        if instance is None:
+            rejects.append({"row": start + i, "reason": f"no {column!r} column"})
+            continue
+        try:
+            results.check_instances([instance], schema)
+        except InvalidInput as exc:
+            reason = exc.detail.replace("instances[0]", "the input")
+            rejects.append({"row": start + i, "reason": reason})
+            continue
+        return None  # it fits after all (a cast the columns do not show): the row path
+    keys = {k: table.column(k) if mask is None else table.column(k).filter(mask)
+            for k in key_columns}  # fmt: skip
+    return ShardRows(table.num_rows, keys, array, rejects)
+
+
+def _fits(values: Any, shape: tuple[int, ...]) -> np.ndarray[Any, Any] | None:
+    """Which rows hold an array of exactly ``shape`` (by their lengths at the top level;
+    every deeper level must match), or None when the column cannot say."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if not shape:
+        return values.is_valid().to_numpy(zero_copy_only=False) if _numeric(values.type) else None
+    if not _is_list(values.type):
+        return None
+    lengths = pc.list_value_length(values).fill_null(-1).to_numpy(zero_copy_only=False)
+    ok: np.ndarray[Any, Any] = np.asarray(lengths == shape[0])
+    inner = values.flatten() if ok.all() else values.filter(pa.array(ok)).flatten()
+    for d in shape[1:]:
+        if not _is_list(inner.type) or inner.null_count:
+            return None
+        if (pc.list_value_length(inner).to_numpy(zero_copy_only=False) != d).any():
+            return None
+        inner = inner.flatten()
+    return ok
+
+
+def _values_array(kept: Any, shape: tuple[int, ...], dtype: str) -> Any:
+    """The kept rows' values as one array ``(rows, *shape)``, or None (nulls inside,
+    not numbers)."""
+    flat = kept
+    for _ in shape:
+        flat = flat.flatten()
+    if not _numeric(flat.type) or flat.null_count:
+        return None
+    return flat.to_numpy(zero_copy_only=False).astype(dtype, copy=False).reshape(-1, *shape)
+
+
+def _is_list(kind: Any) -> bool:
+    import pyarrow as pa
+
+    types = pa.types
+    return bool(types.is_list(kind) or types.is_large_list(kind) or types.is_fixed_size_list(kind))
+
+
+def _numeric(kind: Any) -> bool:
+    import pyarrow as pa
+
+    types = pa.types
+    return bool(types.is_integer(kind) or types.is_floating(kind) or types.is_boolean(kind))
+
+
+def _from_rows(
+    rows: list[dict[str, Any] | BadRow],
+    start: int,
+    key_columns: list[str],
+    column: str,
+    schema: dict[str, Any] | None,
+    fmt: str,
+) -> ShardRows:
+    """The row-by-row path: each row's own reason; the instances still converted as one
+    array where the schema has a shape and they all fit it."""
+    import pyarrow as pa
+
+    from ember.jobs import results
+
+    rejects: list[dict[str, Any]] = []
+    numbers: list[int] = []
+    keys: dict[str, list[Any]] = {k: [] for k in key_columns}
+    instances: list[Any] = []
+    for offset, row in enumerate(rows):
+        try:
+            if isinstance(row, BadRow):
+                raise row
+            missing = [k for k in key_columns if k not in row]
+            if missing:
+                raise BadRow(f"missing key column(s) {missing}")
+            instance = instance_of(row, column, fmt)
+        except BadRow as exc:
+            rejects.append({"row": start + offset, "reason": str(exc)})
+            continue
+        numbers.append(start + offset)
+        for k in key_columns:
+            keys[k].append(row[k])
+        instances.append(instance)
+    tensor = tensor_schema(schema)
+    array = _as_array(instances, tensor) if tensor is not None else None
+    if array is None:  # someone does not fit: who, and why
+        good: list[int] = []
+        for i, instance in enumerate(instances):
+            try:
+                results.check_instances([instance], schema)
+            except InvalidInput as exc:
+                reason = exc.detail.replace("instances[0]", "the input")
+                rejects.append({"row": numbers[i], "reason": reason})
+                continue
+            good.append(i)
+        if len(good) != len(instances):
+            instances = [instances[i] for i in good]
+            keys = {k: [v[i] for i in good] for k, v in keys.items()}
+            rejects.sort(key=lambda r: int(r["row"]))
+        if tensor is not None:
+            shape, dtype = tensor
+            array = np.asarray(instances, dtype=dtype).reshape(len(instances), *shape)
+    columns: dict[str, Any] = {}
+    for k, values in keys.items():
+        try:
+            columns[k] = pa.array(values)
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:  # one column, one type
+            raise InvalidInput(f"key column {k!r} cannot be one Parquet column: {exc}") from exc
+    return ShardRows(len(rows), columns, instances if array is None else array, rejects)
+
+
+def _as_array(instances: list[Any], tensor: tuple[tuple[int, ...], str]) -> Any:
+    """All instances as one array of the schema's shape and dtype, or None if one does
+    not fit (numpy converts as ``check_instances`` does, so a fit here is a fit there)."""
+    shape, dtype = tensor
+    try:
+        array = np.asarray(instances, dtype=dtype)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return array if array.shape == (len(instances), *shape) else None
+
+
+def write_table(settings: Settings, uri: str, table: Any) -> None:
+    """One Parquet object, written whole (a temporary file, then an atomic put)."""
+    import pyarrow.parquet as pq
+
+    put(settings, uri, lambda path: pq.write_table(table, path))
+
+
 def write_parquet(settings: Settings, uri: str, columns: dict[str, list[Any]]) -> None:
     """One Parquet object, written whole (a temporary file, then an atomic put)."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
-    table = pa.table(columns)
-    put(settings, uri, lambda path: pq.write_table(table, path))
+    write_table(settings, uri, pa.table(columns))
 
 
 def write_bytes(settings: Settings, uri: str, data: bytes) -> None:

@@ -17,25 +17,32 @@
 
 from __future__ import annotations
 
+import contextvars
+import heapq
+import http.client
+import itertools
 import json
 import random
 import secrets
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import httpx
+import numpy as np
+import pydantic_core
 from sqlalchemy import Engine, and_, or_, update
 from sqlmodel import Session, col, select
 
 from ember.batch import datasets
+from ember.batch.client import GatewayClient, InputCache
 from ember.batch.plan import FINISHED, SHARD_TASK, publish, pump, utcnow
 from ember.batch.schemas import BatchSpec
 from ember.config import Settings
+from ember.engine.tensorbody import TIMEOUT_HEADER, TensorBody
 from ember.errors import EmberError, InvalidInput, LoaderError, StoreUnavailable
-from ember.jobs import results
 from ember.jobs.runner import api_url, worker_id
 from ember.loader.stores import ObjectInfo
 from ember.logs import get_logger, model_context
@@ -44,6 +51,8 @@ from ember.registry.tables import BatchRun, BatchShard, Deployment, Model, Model
 
 log = get_logger(__name__)
 PERMANENT = {400, 404, 405, 409, 410, 413, 415, 422}
+MAX_WINDOW = 64
+"""Requests of one version a worker keeps in flight at most (whatever the gateway says)."""
 WAIT_FOR_CAPACITY_S = 300.0
 """How long one batch call waits out 429 (shed for online traffic) and 503 (no ready
 replica) before the attempt is retried later."""
@@ -100,14 +109,12 @@ class ShardRunner:
         self.engine = engine
         self.celery = celery
         key = settings.jobs_api_key.get_secret_value() if settings.jobs_api_key else ""
-        self.http = httpx.Client(
-            base_url=api_url(settings),
-            headers={"Authorization": f"Bearer {key}"},
-            limits=httpx.Limits(max_connections=64, max_keepalive_connections=32),
-        )
+        self.http = GatewayClient(api_url(settings), {"Authorization": f"Bearer {key}"})
+        self.inputs = InputCache()
         self.worker = worker_id()
         self.lock = threading.Lock()
-        self.gates: dict[tuple[str, str], threading.Semaphore] = {}
+        self.windows: dict[tuple[str, str], Window] = {}
+        self.calls = ThreadPoolExecutor(4 * MAX_WINDOW, thread_name_prefix="ember-batch-lane")
 
     # --- one message -------------------------------------------------------------------
 
@@ -196,7 +203,7 @@ class ShardRunner:
 
     def _score(
         self, run: BatchRun, shard: BatchShard, lease: Lease
-    ) -> tuple[dict[str, list[Any]], list[dict[str, Any]]]:
+    ) -> tuple[Any, list[dict[str, Any]]]:
         spec = BatchSpec.model_validate(run.spec)
         with Session(self.engine) as session:
             tenant = session.get(Tenant, run.tenant_id)
@@ -223,95 +230,141 @@ class ShardRunner:
         fmt = datasets.detect_format(shard.input_uri, spec.format)
         try:
             info = open_info(self.settings, shard.input_uri)
-            data = datasets.read_object(self.settings, info)
-            rows = datasets.parse_rows(data, fmt, info.uri, shard.row_start, shard.row_end)
+            data, memo = self.inputs.get(info, lambda i: datasets.read_object(self.settings, i))
+            rows = datasets.read_shard(
+                data,
+                fmt,
+                info.uri,
+                shard.row_start,
+                shard.row_end,
+                spec.key_columns,
+                spec.input_column,
+                version.input_schema,
+                memo,
+            )
         except StoreUnavailable as exc:
             raise Retry(exc.detail) from exc
         except (LoaderError, InvalidInput) as exc:
             raise Fatal(f"input {shard.input_uri}: {exc.detail}") from exc
-        keys: list[dict[str, Any]] = []
-        instances: list[Any] = []
-        rejects: list[dict[str, Any]] = []
-        for offset, row in enumerate(rows):
-            number = shard.row_start + offset
-            try:
-                if isinstance(row, datasets.BadRow):
-                    raise row
-                missing = [k for k in spec.key_columns if k not in row]
-                if missing:
-                    raise datasets.BadRow(f"missing key column(s) {missing}")
-                instance = datasets.instance_of(row, spec.input_column, fmt)
-                try:
-                    results.check_instances([instance], version.input_schema)
-                except InvalidInput as exc:
-                    raise datasets.BadRow(exc.detail.replace("instances[0]", "the input")) from exc
-            except datasets.BadRow as exc:
-                rejects.append({"input_uri": shard.input_uri, "row": number, "reason": str(exc)})
-                continue
-            keys.append({k: row[k] for k in spec.key_columns})
-            instances.append(instance)
-        limit = spec.max_error_ratio * len(rows)
+        del data
+        rejects = [{"input_uri": shard.input_uri, **r} for r in rows.rejects]
+        limit = spec.max_error_ratio * rows.total
         if rejects and len(rejects) > limit:
             self._write_rejects(run, shard, rejects)
             raise Fatal(
-                f"{len(rejects)} of {len(rows)} rows rejected (max_error_ratio "
+                f"{len(rejects)} of {rows.total} rows rejected (max_error_ratio "
                 f"{spec.max_error_ratio:g}); first: row {rejects[0]['row']}: "
                 f"{rejects[0]['reason']}"
             )
-        predictions: list[Any] = []
-        for start in range(0, len(instances), batch):
-            if lease.lost.is_set():
-                raise Lost()
-            chunk = instances[start : start + batch]
-            predictions.extend(self._predict(run, tenant.name, chunk, lease))
+        predictions = self._predict_all(run, tenant.name, rows.instances, batch, lease)
         if lease.lost.is_set():
             raise Lost()
-        scored_at = utcnow()
-        columns: dict[str, list[Any]] = {k: [r[k] for r in keys] for k in spec.key_columns}
-        columns["prediction"] = predictions
-        n = len(predictions)
-        columns["model"] = [run.model] * n
-        columns["version"] = [run.version] * n
-        columns["artifact_sha256"] = [run.artifact_sha256] * n
-        columns["scored_at"] = [scored_at] * n
-        return columns, rejects
+        return _output(run, rows.keys, predictions, utcnow()), rejects
 
-    def _predict(self, run: BatchRun, tenant: str, chunk: list[Any], lease: Lease) -> list[Any]:
+    def _predict_all(
+        self, run: BatchRun, tenant: str, instances: Any, batch: int, lease: Lease
+    ) -> list[Any]:
+        """Predictions for ``instances`` (in order), in requests of ``batch`` (the
+        deployment's ``max_batch_size``), several in flight: as many as fit in the
+        gateway's ``X-Ember-Batch-Window`` (the instances the batch class may have in
+        flight: two full batches per replica), so a replica always has this version's
+        next batch queued behind the one it computes.
+
+        The window is shared by this worker's shards of the version, first come first
+        served: the shard that started first has it until it is done, while the others
+        wait with their rows read. Shards then finish one after another, and a shard's
+        start (claim, read) overlaps the others' scoring instead of leaving the replica
+        idle between waves of shards. Each of the shard's lanes sends its next request
+        as soon as one of its own comes back."""
+        window = self._window(run.model, run.version)
+        ticket = window.ticket()
+        starts = range(0, len(instances), batch)
+        results: list[list[Any]] = [[] for _ in starts]
+        taken = itertools.count()  # the next request's index, for whichever lane is free
+        stop = threading.Event()
+
+        errors: list[BaseException] = []
+
+        def lane() -> None:
+            held = False  # a window slot, kept from one request to the next
+            try:
+                while not stop.is_set():
+                    i = next(taken)
+                    if i >= len(starts):
+                        return
+                    while not held:
+                        held = window.acquire(ticket, timeout=0.5)
+                        if not held and (lease.lost.is_set() or stop.is_set()):
+                            raise Lost()
+                    chunk = instances[starts[i] : starts[i] + batch]
+                    results[i] = self._call(run, tenant, chunk, lease, stop, window, batch)
+                    if window.yields(ticket):
+                        window.release()
+                        held = False
+            except BaseException as exc:  # the shard's failure: the other lanes stop
+                errors.append(exc)
+                stop.set()
+            finally:
+                if held:
+                    window.release()
+
+        lanes = [
+            self.calls.submit(contextvars.copy_context().run, lane)  # logs keep the context
+            for _ in range(min(len(starts), max(2, window.size)) - 1)
+        ]
+        lane()
+        wait(lanes)
+        if errors:  # the cause, not the lanes it stopped (Lost), unless the lease was lost
+            raise next((e for e in errors if not isinstance(e, Lost)), errors[0])
+        return [p for chunk in results for p in chunk]
+
+    def _call(
+        self,
+        run: BatchRun,
+        tenant: str,
+        chunk: Any,
+        lease: Lease,
+        stop: threading.Event,
+        window: Window,
+        batch: int,
+    ) -> list[Any]:
         path = f"/v1/models/{run.model}/versions/{run.version}:predict"
-        body = json.dumps(
-            {"instances": chunk, "priority": "batch", "timeout_ms": 120_000},
-            separators=(",", ":"),
-        ).encode()
-        headers = {
-            "X-Ember-Tenant": tenant,
-            "X-Request-Id": run.uid,
-            "Content-Type": "application/json",
-        }
+        headers = {"X-Ember-Tenant": tenant, "X-Request-Id": run.uid}
+        if isinstance(chunk, np.ndarray):  # a tensor body: no JSON on the way to the model
+            tensor = TensorBody.of(chunk)
+            body = tensor.data
+            headers |= {
+                "Content-Type": tensor.content_type,
+                "X-Ember-Priority": "batch",
+                TIMEOUT_HEADER: "120000",
+            }
+        else:
+            body = json.dumps(
+                {"instances": chunk, "priority": "batch", "timeout_ms": 120_000},
+                separators=(",", ":"),
+            ).encode()
+            headers["Content-Type"] = "application/json"
         patience = time.monotonic() + WAIT_FOR_CAPACITY_S
         refused = 0
-        # The gateway admits batch work only into what online traffic leaves (about one
-        # full batch per replica at a time): this worker's shards of one version take
-        # turns instead of colliding, and a refusal is retried soon (short, growing,
-        # jittered backoff) rather than after the whole Retry-After.
-        gate = self._gate(run.model, run.version)
         while True:
-            if lease.lost.is_set():
+            if lease.lost.is_set() or stop.is_set():
                 raise Lost()
             try:
-                with gate:
-                    response = self.http.post(path, content=body, headers=headers, timeout=130)
-            except httpx.HTTPError as exc:
+                response = self.http.post(path, body, headers)
+            except (OSError, http.client.HTTPException) as exc:
                 raise Retry(f"gateway unreachable: {type(exc).__name__}: {exc}") from exc
             if response.status_code == 200:
-                doc = response.json()
+                window.resize(response.headers.get("x-ember-batch-window"), batch)
+                doc = pydantic_core.from_json(response.content)  # ~6x json.loads here
                 if str(doc.get("version")) != run.version:
                     raise Retry(f"the gateway answered from version {doc.get('version')!r}")
                 predictions = doc.get("predictions")
                 if not isinstance(predictions, list) or len(predictions) != len(chunk):
                     raise Retry("the gateway returned the wrong number of predictions")
-                return list(predictions)
+                return predictions
             # 429: batch waits while online traffic uses the capacity; 503: no replica is
-            # ready yet (scaling up). Neither is the shard's fault: wait, holding the lease.
+            # ready yet (scaling up). Neither is the shard's fault: wait, holding the lease
+            # (and the window slot: the window does not grow into capacity online uses).
             if response.status_code in (429, 503) and time.monotonic() < patience:
                 try:
                     wait = float(response.headers.get("retry-after") or 1)
@@ -326,12 +379,12 @@ class ShardRunner:
                 raise Fatal(f"{response.status_code} from the gateway: {detail}")
             raise Retry(f"{response.status_code} from the gateway: {detail}")
 
-    def _gate(self, model: str, version: str) -> threading.Semaphore:
+    def _window(self, model: str, version: str) -> Window:
         with self.lock:
-            gate = self.gates.get((model, version))
-            if gate is None:
-                gate = self.gates[(model, version)] = threading.Semaphore(1)
-            return gate
+            window = self.windows.get((model, version))
+            if window is None:
+                window = self.windows[(model, version)] = Window()
+            return window
 
     # --- outcomes ----------------------------------------------------------------------
 
@@ -350,15 +403,11 @@ class ShardRunner:
         run: BatchRun,
         shard: BatchShard,
         lease: Lease,
-        columns: dict[str, list[Any]],
+        table: Any,
         rejects: list[dict[str, Any]],
     ) -> str:
         part = self._part(run, shard)
-        try:
-            datasets.write_parquet(self.settings, part, columns)
-        except Exception:  # predictions of mixed shapes: keep them as JSON text
-            columns["prediction"] = [json.dumps(p) for p in columns["prediction"]]
-            datasets.write_parquet(self.settings, part, columns)
+        datasets.write_table(self.settings, part, table)
         if rejects:
             self._write_rejects(run, shard, rejects)
         with Session(self.engine) as session:
@@ -371,7 +420,7 @@ class ShardRunner:
                 )
                 .values(
                     status="committed",
-                    rows_scored=len(columns["prediction"]),
+                    rows_scored=table.num_rows,
                     rows_rejected=len(rejects),
                     output_uri=part,
                     rejects_uri=self._rejects_uri(run, shard) if rejects else None,
@@ -386,7 +435,7 @@ class ShardRunner:
             # Taken over: the other attempt writes the same object with the same rows.
             log.info("batch shard commit lost the fence (taken over)")
             return "lost"
-        log.info("batch shard committed", rows=len(columns["prediction"]), rejects=len(rejects))
+        log.info("batch shard committed", rows=table.num_rows, rejects=len(rejects))
         self._finish_if_done(run)
         return "committed"
 
@@ -442,7 +491,99 @@ class ShardRunner:
         fail_run(self.engine, run.id or 0, error)
 
     def close(self) -> None:
+        self.calls.shutdown(wait=False, cancel_futures=True)
         self.http.close()
+
+
+def _output(run: BatchRun, keys: dict[str, Any], predictions: list[Any], at: datetime) -> Any:
+    """The shard's output table: the key columns, ``prediction`` (a fixed-size list
+    column when the predictions are numeric arrays of one shape; JSON text when they do
+    not fit one Arrow type), ``model``, ``version``, ``artifact_sha256``, ``scored_at``."""
+    import pyarrow as pa
+
+    n = len(predictions)
+    try:
+        prediction = _prediction_column(predictions)
+    except (pa.ArrowException, ValueError, TypeError, OverflowError):
+        prediction = pa.array([json.dumps(p) for p in predictions], pa.string())
+    columns = dict(keys) | {
+        "prediction": prediction,
+        "model": pa.repeat(pa.scalar(run.model, pa.string()), n),
+        "version": pa.repeat(pa.scalar(run.version, pa.string()), n),
+        "artifact_sha256": pa.repeat(pa.scalar(run.artifact_sha256, pa.string()), n),
+        "scored_at": pa.repeat(pa.scalar(at, pa.timestamp("us", tz="UTC")), n),
+    }
+    return pa.table(columns)
+
+
+def _prediction_column(predictions: list[Any]) -> Any:
+    import pyarrow as pa
+
+    if predictions and isinstance(predictions[0], list):
+        try:
+            array = np.asarray(predictions)
+        except ValueError:  # ragged
+            array = None
+        if array is not None and array.ndim >= 2 and array.dtype.kind in "biuf":
+            column = pa.array(array.reshape(-1))
+            for size in reversed(array.shape[1:]):
+                column = pa.FixedSizeListArray.from_arrays(column, size)
+            return column
+    return pa.array(predictions)
+
+
+class Window:
+    """A resizable semaphore, served in ticket order: the requests of one version a
+    worker keeps in flight, first to the shards that started first."""
+
+    def __init__(self, size: int = 1) -> None:
+        self.size = size
+        self.active = 0
+        self.cond = threading.Condition()
+        self.waiting: list[int] = []
+        self.tickets = itertools.count()
+
+    def ticket(self) -> int:
+        with self.cond:
+            return next(self.tickets)
+
+    def acquire(self, ticket: int, timeout: float) -> bool:
+        with self.cond:
+            heapq.heappush(self.waiting, ticket)
+            try:
+                free = self.cond.wait_for(
+                    lambda: self.active < self.size and self.waiting[0] == ticket, timeout
+                )
+            finally:
+                self.waiting.remove(ticket)
+                heapq.heapify(self.waiting)
+            if free:
+                self.active += 1
+            else:
+                self.cond.notify_all()  # it may have been first in line
+            return free
+
+    def release(self) -> None:
+        with self.cond:
+            self.active -= 1
+            self.cond.notify_all()
+
+    def yields(self, ticket: int) -> bool:
+        """Whether a holder should give its slot back: the window shrank, or a shard
+        that started earlier waits."""
+        with self.cond:
+            return self.active > self.size or bool(self.waiting and self.waiting[0] < ticket)
+
+    def resize(self, header: str | None, batch: int) -> None:
+        """Adopt the gateway's ``X-Ember-Batch-Window`` (instances; absent or malformed:
+        no change) as requests of ``batch`` instances."""
+        if header is None or not header.isascii() or not header.isdigit() or len(header) > 9:
+            return
+        size = max(1, min(MAX_WINDOW, int(header) // max(1, batch)))
+        if size != self.size:
+            with self.cond:
+                self.size = size
+                self.cond.notify_all()
 
 
 def fail_run(engine: Engine, run_id: int, error: str) -> None:
@@ -519,6 +660,11 @@ def sweep(engine: Engine, settings: Settings, celery: Any) -> int:
 def install(celery: Any, settings: Settings, engine: Engine) -> threading.Thread:
     """Register the shard task on a worker's Celery app; returns the (unstarted) sweep
     thread."""
+    # The readers shards use, imported now: not by the first shard, on a run's clock.
+    import pyarrow.compute
+    import pyarrow.json
+    import pyarrow.parquet  # noqa: F401
+
     runner = ShardRunner(settings, engine, celery)
 
     def shard(shard_id: object) -> str:
@@ -533,6 +679,7 @@ def install(celery: Any, settings: Settings, engine: Engine) -> threading.Thread
     def loop() -> None:
         while True:
             time.sleep(settings.batch_sweep_interval_s)
+            runner.inputs.trim()
             try:
                 sweep(engine, settings, celery)
             except Exception as exc:  # the registry or Redis is down: next round

@@ -48,6 +48,12 @@ class Engine(ABC):
     def prepare(self, instance: Any) -> Sized:
         """Validate one instance and measure it; raise ``InvalidInput`` if it is wrong."""
 
+    def prepare_tensor(self, array: Any) -> list[Sized]:
+        """Validate and measure the instances of a tensor body (a numpy array, instances
+        along its first dimension). Default: each row as a JSON instance through
+        ``prepare``; tensor engines override it to check the whole array at once."""
+        return [self.prepare(row) for row in array.tolist()]
+
     @abstractmethod
     def forward(self, batch: Sequence[Any]) -> list[Any]:
         """One batched pass over prepared values; one JSON-able output per value."""

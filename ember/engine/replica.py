@@ -90,12 +90,25 @@ class Replica:
         timeout_ms: float | None,
         timing: dict[str, float] | None = None,
     ) -> list[Any]:
+        return await self._hot_scheduler().submit(instances, priority, timeout_ms, timing)
+
+    async def infer_tensor(
+        self,
+        array: Any,
+        priority: Priority,
+        timeout_ms: float | None,
+        timing: dict[str, float] | None = None,
+    ) -> list[Any]:
+        """``infer`` for a tensor body (one array, instances along its first dimension)."""
+        return await self._hot_scheduler().submit_tensor(array, priority, timeout_ms, timing)
+
+    def _hot_scheduler(self) -> Scheduler:
         engine = self._require_engine()
         if engine.tier is not Tier.hot or self.scheduler is None:
             raise NotReady(
                 f"replica is {engine.tier.value}; promote it to hot first", tier=engine.tier.value
             )
-        return await self.scheduler.submit(instances, priority, timeout_ms, timing)
+        return self.scheduler
 
     async def probe(self) -> None:
         """A tiny real forward pass at health priority (jumps every queue)."""

@@ -65,6 +65,36 @@ class Scheduler:
         ``timing``, if given, receives ``queue_s``: how long the request's instances waited
         before their forward pass began (the longest of them)."""
         sized = [self._admit_one(value) for value in instances]
+        return await self._submit(sized, priority, timeout_ms, timing)
+
+    async def submit_tensor(
+        self,
+        array: Any,
+        priority: Priority,
+        timeout_ms: float | None = None,
+        timing: dict[str, float] | None = None,
+    ) -> list[Any]:
+        """``submit`` for a tensor body: the engine checks the whole array at once
+        (``Engine.prepare_tensor``), then its rows queue as instances like any others."""
+        sized = self.engine.prepare_tensor(array)
+        largest = max((s.input_size for s in sized), default=0)
+        if largest > self.policy.max_input_size:
+            self.metrics.reject("input_too_large")
+            raise PayloadTooLarge(
+                f"an instance of size {largest} exceeds this replica's limit of "
+                f"{self.policy.max_input_size}",
+                input_size=largest,
+                max_input_size=self.policy.max_input_size,
+            )
+        return await self._submit(sized, priority, timeout_ms, timing)
+
+    async def _submit(
+        self,
+        sized: list[Sized],
+        priority: Priority,
+        timeout_ms: float | None,
+        timing: dict[str, float] | None,
+    ) -> list[Any]:
         queue = self.queues[priority]
         if priority is not Priority.health and len(queue) + len(sized) > self.policy.max_queue:
             self.metrics.reject("queue_full", len(sized))

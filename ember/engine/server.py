@@ -1,5 +1,11 @@
 """The replica's internal HTTP API (loopback by default; the pools controller and the
-gateway call it, clients never do)."""
+gateway call it, clients never do).
+
+``POST /infer`` takes JSON (``{"instances": [...], "priority", "timeout_ms"}``) or a
+tensor body (``Content-Type: application/x-ember-tensor; dtype=...; shape=N,...``, the
+instances' bytes; ``X-Ember-Priority`` and ``X-Ember-Timeout-Ms`` headers): the batch
+lane's form, read with ``np.frombuffer`` into one array that the engine checks whole.
+Either way the answer is ``{"predictions": [...], "model", "version"}``."""
 
 from __future__ import annotations
 
@@ -20,18 +26,24 @@ from ember.api.lane import Answer, FastLane, header_values
 from ember.api.middleware import BodyLimit, RequestContext
 from ember.engine.replica import Replica
 from ember.engine.spec import Priority, Tier, VersionSpec
+from ember.engine.tensorbody import TIMEOUT_HEADER, TensorBody, is_tensor, timeout_header
+from ember.engine.tensorbody import parse as parse_tensor
 from ember.errors import InvalidInput
 from ember.logs import get_logger
 
 log = get_logger(__name__)
 
 
+MAX_INSTANCES = 100_000
+MAX_TIMEOUT_MS = 3_600_000.0
+
+
 class InferRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    instances: list[Any] = Field(min_length=1, max_length=100_000)
+    instances: list[Any] = Field(min_length=1, max_length=MAX_INSTANCES)
     priority: str = "online"
-    timeout_ms: float | None = Field(None, gt=0, le=3_600_000)
+    timeout_ms: float | None = Field(None, gt=0, le=MAX_TIMEOUT_MS)
 
 
 class TierRequest(BaseModel):
@@ -66,16 +78,22 @@ def create_replica_app(replica: Replica, spec: VersionSpec | None) -> FastAPI:
         base = {"X-Ember-Replica": replica.replica_id}
         return base | ({"X-Ember-Model": s.model, "X-Ember-Version": s.version} if s else {})
 
-    async def run(body: InferRequest, priority_header: str | None) -> tuple[Any, dict[str, str]]:
+    async def run(
+        body: InferRequest | TensorBody, priority_header: str | None, timeout_ms: float | None
+    ) -> tuple[Any, dict[str, str]]:
         """The answer to ``/infer`` and its headers (the route and the lean lane share it)."""
         try:
-            priority = Priority.parse(priority_header or body.priority)
+            default = "online" if isinstance(body, TensorBody) else body.priority
+            priority = Priority.parse(priority_header or default)
         except ValueError as exc:
             raise InvalidInput(str(exc)) from exc
         if priority is Priority.health:
             raise InvalidInput("the health class is reserved for probes")
         timing: dict[str, float] = {}
-        outputs = await replica.infer(body.instances, priority, body.timeout_ms, timing)
+        if isinstance(body, TensorBody):
+            outputs = await replica.infer_tensor(body.array(), priority, timeout_ms, timing)
+        else:
+            outputs = await replica.infer(body.instances, priority, body.timeout_ms, timing)
         assert replica.spec is not None
         answer = {"predictions": outputs, "model": replica.spec.model,
                   "version": replica.spec.version}  # fmt: skip
@@ -87,19 +105,29 @@ def create_replica_app(replica: Replica, spec: VersionSpec | None) -> FastAPI:
         body: InferRequest, response: Response,
         x_ember_priority: Annotated[str | None, Header()] = None,
     ) -> dict[str, Any]:  # fmt: skip
-        answer, extra = await run(body, x_ember_priority)
+        answer, extra = await run(body, x_ember_priority, None)
         response.headers.update(extra)
         return dict(answer)
 
     async def lean_infer(scope: Scope, match: re.Match[str], raw: bytes) -> Answer | None:
         """``/infer`` without FastAPI's routing and validation (the gateway's every hop);
-        a body that does not validate is left to the route, which says why."""
-        try:
-            body = InferRequest.model_validate_json(raw)
-        except ValueError:
-            return None
-        (priority,) = header_values(scope, b"x-ember-priority")
-        answer, extra = await run(body, priority)
+        a JSON body that does not validate is left to the route, which says why. A tensor
+        body (``ember.engine.tensorbody``) is only ever served here, errors included."""
+        ctype, priority, timeout = header_values(
+            scope, b"content-type", b"x-ember-priority", TIMEOUT_HEADER.encode()
+        )
+        body: InferRequest | TensorBody
+        timeout_ms = None
+        if is_tensor(ctype):
+            assert ctype is not None
+            body = parse_tensor(ctype, raw, MAX_INSTANCES)
+            timeout_ms = timeout_header(timeout, MAX_TIMEOUT_MS)
+        else:
+            try:
+                body = InferRequest.model_validate_json(raw)
+            except ValueError:
+                return None
+        answer, extra = await run(body, priority, timeout_ms)
         names = [(k.lower().encode(), v.encode("latin-1")) for k, v in extra.items()]
         # pydantic's encoder, as FastAPI's for the route (NaN as null): ~6x json.dumps here
         return Answer(pydantic_core.to_json(answer, inf_nan_mode="null"), names)

@@ -9,7 +9,8 @@ input_schema (optional, checked per instance)::
     {"shape": [16], "dtype": "float32"}
 
 Each instance is a nested list of numbers of that shape; the output is the module's
-output for it, as nested lists.
+output for it, as nested lists. A tensor body (``ember.engine.tensorbody``) is checked
+whole: one shape check, one cast if its dtype is not the schema's, a view per row.
 """
 
 from __future__ import annotations
@@ -74,6 +75,18 @@ class TorchEngine(ModuleEngine):
                 f"instance has shape {list(array.shape)}, expected {list(self.shape or ())}"
             )
         return Sized(array, int(array.size))
+
+    def prepare_tensor(self, array: Any) -> list[Sized]:
+        """A tensor body's instances checked at once: one shape and dtype check, then a
+        view per row (no per-instance conversion)."""
+        if self.shape is not None and tuple(array.shape[1:]) != self.shape:
+            raise InvalidInput(
+                f"instances have shape {list(array.shape[1:])}, expected {list(self.shape)}"
+            )
+        if array.dtype != self.dtype:  # as np.asarray(instance, dtype) casts JSON numbers
+            array = array.astype(self.dtype)
+        size = int(np.prod(array.shape[1:], dtype=np.int64))
+        return [Sized(row, size) for row in array]
 
     def forward(self, batch: Sequence[Any]) -> list[Any]:
         if self.module is None or self.tier is not Tier.hot:

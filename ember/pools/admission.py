@@ -21,6 +21,11 @@ from ember.errors import BackPressure
 CLASS_CEILING = {Priority.online: 1.0, Priority.async_: 0.6, Priority.batch: 0.5}
 
 
+def class_share(priority: Priority, queue: float) -> float:
+    """What the class may hold of a queue of ``queue`` (units, or instances) at once."""
+    return CLASS_CEILING.get(priority, 1.0) * queue
+
+
 @dataclass
 class TokenBucket:
     rate: float
@@ -67,7 +72,7 @@ class Admission:
         and batch traffic may fill their share of the latter, so a backlog keeps the
         replicas busy (a batch waiting behind the one computing) while online traffic keeps
         the rest of the queue."""
-        ceiling = CLASS_CEILING.get(priority, 1.0) * (queue_units or capacity_units)
+        ceiling = class_share(priority, queue_units or capacity_units)
         # An idle pool always takes one request of any class: else a small pool (one
         # replica, batch size 1) could never serve async or batch work at all.
         held = inflight_units > 0 and inflight_units + units > ceiling

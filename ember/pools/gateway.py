@@ -34,6 +34,7 @@ import httpx
 import structlog
 
 from ember.engine.spec import Priority
+from ember.engine.tensorbody import TIMEOUT_HEADER, TensorBody
 from ember.errors import (
     BackPressure,
     CapacityError,
@@ -45,7 +46,7 @@ from ember.errors import (
     Upstream,
 )
 from ember.logs import get_logger, model_context
-from ember.pools.admission import Admission
+from ember.pools.admission import Admission, class_share
 from ember.pools.cache import ResponseCache, cache_key, digest
 from ember.pools.controller import DeploymentView, PoolsController
 from ember.pools.hop import HopAnswer, ReplicaClient, ReplicaUnreachable
@@ -60,6 +61,8 @@ from ember.pools.router import (
 )
 
 log = get_logger(__name__)
+Instances = list[Any] | TensorBody
+"""JSON instances, or a tensor body (the batch lane) passed on to the replica as is."""
 RETRYABLE_STATUS = {429, 503}
 QUEUE_BATCHES = 4
 HEDGE_MIN_SAMPLES = 20
@@ -172,7 +175,7 @@ class Gateway:
         self,
         view: DeploymentView,
         tenant: str,
-        instances: list[Any],
+        instances: Instances,
         priority: Priority,
         timeout_ms: float,
         session_key: str | None = None,
@@ -199,7 +202,7 @@ class Gateway:
         policy = view.policy
         input_digest = None  # computed here only when the cache needs it, else by the log
         if self.cache is not None and (policy.cache_ttl_s > 0 or policy.cache_stale_s > 0):
-            input_digest = digest({"i": instances, "p": params or {}})
+            input_digest = _input_digest(instances, params)
         with model_context(view.model, chosen, deployment=view.name):
             try:
                 result = await self._ladder(
@@ -233,7 +236,7 @@ class Gateway:
         view: DeploymentView,
         tenant: str,
         chosen: str,
-        instances: list[Any],
+        instances: Instances,
         priority: Priority,
         started: float,
         timeout_ms: float,
@@ -298,7 +301,7 @@ class Gateway:
         self,
         view: DeploymentView,
         chosen: str,
-        instances: list[Any],
+        instances: Instances,
         priority: Priority,
         deadline: float,
         key: str | None,
@@ -346,7 +349,7 @@ class Gateway:
         view: DeploymentView,
         tenant: str,
         chosen: str,
-        instances: list[Any],
+        instances: Instances,
         priority: Priority,
         deadline: float,
         session_key: str | None,
@@ -374,7 +377,7 @@ class Gateway:
         window = self.latency.get((view.tenant_id, view.name, chosen))
         if window is None:
             window = self.latency[(view.tenant_id, view.name, chosen)] = LatencyWindow()
-        payload = {"instances": instances, "timeout_ms": 0.0}
+        payload: dict[str, Any] = {"instances": instances, "timeout_ms": 0.0}
         headers = {"X-Ember-Priority": priority.label}
         while True:
             attempts += 1
@@ -490,6 +493,14 @@ class Gateway:
             raise
         self.controller.record_demand(key, version, units, admitted=True)
 
+    def batch_window(self, view: DeploymentView, version: str) -> int:
+        """Instances the batch class may have in flight to ``version`` at once: its share
+        of the ready replicas' queues (``admit`` refuses beyond it; at least one full
+        batch, which an idle pool always takes)."""
+        routes = self.controller.routes((view.tenant_id, view.name), version)
+        queue = len(routes) * QUEUE_BATCHES * view.policy.max_batch_size
+        return max(view.policy.max_batch_size, int(class_share(Priority.batch, queue)))
+
     def candidates(
         self, view: DeploymentView, version: str, units: float, tried: set[str]
     ) -> list[Route]:
@@ -542,8 +553,15 @@ class Gateway:
     ) -> HopAnswer:
         route.inflight_units += units
         try:
-            body = json.dumps(payload).encode()
             timeout_s = max(0.001, remaining_s) + 1.0
+            instances = payload["instances"]
+            if isinstance(instances, TensorBody):  # the batch lane: its bytes, as they came
+                timeout = {TIMEOUT_HEADER: f"{payload['timeout_ms']:.3f}"}
+                return await self.hop.post(
+                    route.url, "/infer", instances.data, headers | timeout, timeout_s,
+                    content_type=instances.content_type,
+                )  # fmt: skip
+            body = json.dumps(payload).encode()
             return await self.hop.post(route.url, "/infer", body, headers, timeout_s)
         finally:
             route.inflight_units -= units
@@ -603,22 +621,29 @@ class Gateway:
         view: DeploymentView,
         tenant: str,
         chosen: str,
-        instances: list[Any],
+        instances: Instances,
         result: Prediction | None,
         started: float,
         input_digest: str | None,
         error: EmberError | None,
         params: dict[str, Any] | None,
     ) -> None:
+        input_value: Any = None
+        payload_input: Any = instances
+        if isinstance(instances, TensorBody):  # a digest of its bytes, never of lists
+            input_digest = input_digest or _input_digest(instances, params)
+            payload_input = instances.tolist() if view.policy.log_payloads else None
+        else:
+            input_value = {"i": instances, "p": params or {}}
         self.log_prediction(
             view,
             tenant,
             result.version if result else chosen,
             started,
             status=200 if result else _status(error),
-            input_value={"i": instances, "p": params or {}},
+            input_value=input_value,
             input_digest=input_digest,
-            payload_input=instances,
+            payload_input=payload_input,
             output_value=(result.content or result.body) if result else None,
             instances=len(instances),
             rung=result.rung if result else None,
@@ -693,6 +718,14 @@ class Gateway:
         if self.cache is not None:
             await self.cache.close()
         await asyncio.to_thread(self.predictions.close)
+
+
+def _input_digest(instances: Instances, params: dict[str, Any] | None) -> str:
+    """The input's digest (response cache key, prediction log): of a tensor body's dtype,
+    shape and bytes, else of the instances' canonical JSON."""
+    if isinstance(instances, TensorBody):
+        return instances.digest() if not params else digest({"t": instances.digest(), "p": params})
+    return digest({"i": instances, "p": params or {}})
 
 
 def _status(error: EmberError | None) -> int:

@@ -204,10 +204,12 @@ class ReplicaClient:
         body: bytes,
         headers: dict[str, str],
         timeout_s: float,
+        content_type: str = "application/json",
     ) -> HopAnswer:
-        """POST ``body`` (JSON) to ``base_url + path``; the complete answer."""
+        """POST ``body`` (JSON unless ``content_type`` says otherwise) to ``base_url +
+        path``; the complete answer."""
         host, port = _host_port(base_url)
-        request = self._head(host, port, path) + _request_tail(body, headers)
+        request = self._head(host, port, path) + _request_tail(body, headers, content_type)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         conn = self._checkout(host, port)
@@ -288,10 +290,10 @@ class ReplicaClient:
         self._idle.clear()
 
 
-def _request_tail(body: bytes, headers: dict[str, str]) -> bytes:
+def _request_tail(body: bytes, headers: dict[str, str], content_type: str) -> bytes:
     extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
     return (
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode(
+        f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode(
             "latin-1"
         )
         + body

@@ -1,4 +1,4 @@
-"""Online predict (KServe V1 / TF Serving body) and a deployment's replicas."""
+"""Online predict (KServe V1 / TF Serving body, or a tensor body) and a deployment's replicas."""
 
 from __future__ import annotations
 
@@ -6,15 +6,19 @@ import re
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Path, Request, Response
+from fastapi.security import HTTPAuthorizationCredentials
+from fastapi.security.utils import get_authorization_scheme_param
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import Scope
 
-from ember.api.deps import PrincipalDep, SessionDep, cached_principal
+from ember.api.deps import PrincipalDep, SessionDep, cached_principal, get_principal
 from ember.api.lane import Answer, header_values
 from ember.api.problems import DATA_PLANE_RESPONSES
 from ember.engine.spec import Priority
+from ember.engine.tensorbody import TIMEOUT_HEADER, is_tensor, timeout_header
+from ember.engine.tensorbody import parse as parse_tensor
 from ember.errors import InvalidInput, NotReady
-from ember.pools.gateway import Gateway, Prediction
+from ember.pools.gateway import Gateway, Instances, Prediction
 from ember.registry import deployments
 from ember.registry.schemas import NAME_PATTERN, VERSION_PATTERN
 from ember.registry.tenants import Principal
@@ -23,15 +27,22 @@ router = APIRouter(tags=["predict"], responses=DATA_PLANE_RESPONSES)
 ModelName = Annotated[str, Path(pattern=NAME_PATTERN, description="Model name.")]
 VersionRef = Annotated[str, Path(pattern=VERSION_PATTERN, description="Version.")]
 SESSION_MAX = 256
+TENANT_MAX = 63
+MAX_INSTANCES = 10_000
+MAX_TIMEOUT_MS = 600_000.0
 
 
 class PredictRequest(BaseModel):
-    """``{"instances": [...]}`` → ``{"predictions": [...]}`` (KServe V1, TF Serving)."""
+    """``{"instances": [...]}`` → ``{"predictions": [...]}`` (KServe V1, TF Serving).
+
+    The lean lane also takes the same instances as a tensor body
+    (``Content-Type: application/x-ember-tensor; dtype=float32; shape=N,...``, see
+    ``ember.engine.tensorbody``), as the batch lane's workers send them."""
 
     model_config = ConfigDict(extra="forbid")
 
-    instances: list[Any] = Field(min_length=1, max_length=10_000)
-    timeout_ms: float | None = Field(None, gt=0, le=600_000, description="Deadline.")
+    instances: list[Any] = Field(min_length=1, max_length=MAX_INSTANCES)
+    timeout_ms: float | None = Field(None, gt=0, le=MAX_TIMEOUT_MS, description="Deadline.")
     priority: str = Field("online", description="online | async | batch")
 
 
@@ -71,20 +82,22 @@ async def serve(
     gateway: Gateway,
     principal: Principal,
     name: str,
-    body: PredictRequest,
+    instances: Instances,
+    priority_text: str,
+    timeout_ms: float | None,
     version: str | None,
     session_key: str | None,
 ) -> tuple[Prediction, bytes]:
     """The prediction and the answer's JSON bytes: the replica's (or the cache's) as they
     came when there are such bytes, never decoded and re-encoded."""
     try:
-        priority = Priority.requested(body.priority)
+        priority = Priority.requested(priority_text)
     except ValueError as exc:
         raise InvalidInput(str(exc)) from exc
     view = gateway.deployment_for(principal.tenant_id, name)
-    timeout_ms = body.timeout_ms or float(view.policy.timeout_ms)
+    timeout_ms = timeout_ms or float(view.policy.timeout_ms)
     result = await gateway.predict(
-        view, principal.tenant, body.instances, priority, timeout_ms, session_key, version
+        view, principal.tenant, instances, priority, timeout_ms, session_key, version
     )
     if result.content is not None:
         return result, result.content
@@ -102,7 +115,10 @@ async def _predict(
     version: str | None,
     session_key: str | None,
 ) -> Response:
-    result, content = await serve(gateway_of(request), principal, name, body, version, session_key)
+    result, content = await serve(
+        gateway_of(request), principal, name, body.instances, body.priority, body.timeout_ms,
+        version, session_key,
+    )  # fmt: skip
     answer = Response(content, media_type="application/json")
     set_prediction_headers(answer, result)
     return answer
@@ -127,9 +143,14 @@ async def lean_predict(scope: Scope, match: re.Match[str], raw: bytes) -> Answer
         or (version is not None and not _VERSION.fullmatch(version))
     ):
         return None
-    authorization, tenant, session_key = header_values(
-        scope, b"authorization", b"x-ember-tenant", b"x-ember-session"
+    authorization, tenant, session_key, ctype = header_values(
+        scope, b"authorization", b"x-ember-tenant", b"x-ember-session", b"content-type"
     )
+    if is_tensor(ctype):
+        assert ctype is not None
+        return await tensor_predict(
+            scope, gateway, name, version, raw, ctype, authorization, tenant, session_key
+        )
     principal = cached_principal(scope["app"].state.principals, authorization, tenant)
     if principal is None or (session_key is not None and len(session_key) > SESSION_MAX):
         return None
@@ -137,8 +158,61 @@ async def lean_predict(scope: Scope, match: re.Match[str], raw: bytes) -> Answer
         body = PredictRequest.model_validate_json(raw)
     except ValueError:
         return None
-    result, content = await serve(gateway, principal, name, body, version, session_key)
+    result, content = await serve(
+        gateway, principal, name, body.instances, body.priority, body.timeout_ms, version,
+        session_key,
+    )  # fmt: skip
     headers = [(k.encode(), v.encode("latin-1")) for k, v in prediction_headers(result)]
+    if body.priority == "batch":
+        headers.append(batch_window(gateway, principal, name, result))
+    return Answer(content, headers)
+
+
+def batch_window(
+    gateway: Gateway, principal: Principal, name: str, result: Prediction
+) -> tuple[bytes, bytes]:
+    """``X-Ember-Batch-Window``: the instances the batch class may have in flight to the
+    version that answered (a batch worker keeps that many going)."""
+    view = gateway.deployment_for(principal.tenant_id, name)
+    return (b"x-ember-batch-window", str(gateway.batch_window(view, result.version)).encode())
+
+
+async def tensor_predict(
+    scope: Scope,
+    gateway: Gateway,
+    name: str,
+    version: str | None,
+    raw: bytes,
+    ctype: str,
+    authorization: str | None,
+    tenant: str | None,
+    session_key: str | None,
+) -> Answer:
+    """``:predict`` with a tensor body (``ember.engine.tensorbody``: the batch lane's
+    form; priority and deadline in ``X-Ember-Priority`` / ``X-Ember-Timeout-Ms``). Served
+    here whole, errors included (the JSON route cannot read it); the bytes go on to the
+    replica as they came. A batch-class answer says in ``X-Ember-Batch-Window`` how many
+    instances the class may have in flight to this version now."""
+    if tenant is not None and len(tenant) > TENANT_MAX:
+        raise InvalidInput(f"X-Ember-Tenant is longer than {TENANT_MAX} characters")
+    if session_key is not None and len(session_key) > SESSION_MAX:
+        raise InvalidInput(f"X-Ember-Session is longer than {SESSION_MAX} characters")
+    state = scope["app"].state
+    principal = cached_principal(state.principals, authorization, tenant)
+    if principal is None:  # what PrincipalDep does: authenticate, cache, or refuse
+        scheme, key = get_authorization_scheme_param(authorization)
+        bearer = scheme.lower() == "bearer" and key
+        credentials = HTTPAuthorizationCredentials(scheme=scheme, credentials=key)
+        principal = await get_principal(Request(scope), credentials if bearer else None, tenant)
+    priority, timeout = header_values(scope, b"x-ember-priority", TIMEOUT_HEADER.encode())
+    body = parse_tensor(ctype, raw, MAX_INSTANCES)
+    timeout_ms = timeout_header(timeout, MAX_TIMEOUT_MS)
+    result, content = await serve(
+        gateway, principal, name, body, priority or "online", timeout_ms, version, session_key
+    )
+    headers = [(k.encode(), v.encode("latin-1")) for k, v in prediction_headers(result)]
+    if priority == "batch":
+        headers.append(batch_window(gateway, principal, name, result))
     return Answer(content, headers)
 
 
