@@ -29,14 +29,16 @@ $VENV/bin/mypy
 
 # Two pytest workers (pytest-xdist; TEST_WORKERS to change, 0 for none): most tests
 # wait on real processes starting (engines import torch), so a second worker fills the
-# other core. --dist loadgroup keeps a file's tests (and its module fixtures) on one
-# worker, and the packages that share one platform (tests/conftest.py SHARED_PLATFORM)
-# together, in file order.
-# Each worker starts its own Redis / PostgreSQL / moto (session fixtures, free ports).
+# other core. --dist loadfile: a file's tests run in order on one worker, its module
+# fixtures set up once (loadgroup is no use with pytest 9: xdist 3.8 renames node ids
+# through an attribute pytest 9 no longer reads). A package-scoped platform (tests/batch,
+# tests/jobs) starts once per worker that runs one of its files, so those tests must not
+# depend on another file's leftovers. Each worker starts its own Redis / PostgreSQL /
+# moto (session fixtures, free ports).
 # --durations: where the suite's time goes (it must stay well under 20 minutes).
 workers=${TEST_WORKERS:-2}
 xdist=()
-if [ "$workers" != 0 ]; then xdist=(-n "$workers" --dist loadgroup); fi
+if [ "$workers" != 0 ]; then xdist=(-n "$workers" --dist loadfile); fi
 mapfile -t first < <(ls -d tests/*/ tests/test_*.py | grep -v -e '^tests/engine_vllm/' -e '^tests/infra/')
 status=0
 suite() {  # pytest with the workers; "no tests collected" (5: a filter that selects none
@@ -46,6 +48,8 @@ suite() {  # pytest with the workers; "no tests collected" (5: a filter that sel
   if [ "$rc" != 0 ] && [ "$rc" != 5 ] && [ "$status" = 0 ]; then status=$rc; fi
 }
 suite --durations=25 "${first[@]}" "$@"
-# Then the suites that wait for the background set-ups (they would hold a worker idle).
+# Then the suites that wait for the background set-ups (they would hold a worker idle),
+# in one process: two vLLM engines at once on two cores starve each other.
+xdist=()
 suite --durations=10 tests/engine_vllm tests/infra "$@"
 exit "$status"

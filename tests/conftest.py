@@ -11,20 +11,6 @@ import pytest
 from ember.config import Settings, get_settings
 from tests import services
 
-#: Packages whose tests share one package-scoped platform and run in file order (test_1_*,
-#: test_2_*, ...): under pytest-xdist they stay together on one worker.
-SHARED_PLATFORM = {"batch", "jobs"}
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """For ``--dist loadgroup`` (scripts/test.sh): a package in ``SHARED_PLATFORM`` is one
-    group; every other test file is its own unit, as with ``--dist loadfile``."""
-    for item in items:
-        package = item.path.parent
-        if package.name in SHARED_PLATFORM and package.parent.name == "tests":
-            item.add_marker(pytest.mark.xdist_group(f"tests/{package.name}"))
-
 
 @pytest.fixture(autouse=True)
 def clean_environ(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:

@@ -53,6 +53,14 @@ def test_promote_during_a_run_does_not_mix_versions(platform: BatchPlatform) -> 
     )
     promoted = platform.client.post(f"/v1/deployments/{MODEL}:promote", json={"version": "2"})
     assert promoted.status_code == 200, promoted.text
+    try:
+        _promoted_mid_run(platform, run_id)
+    finally:  # the platform is shared: leave version 1 in production for the next file
+        back = platform.client.post(f"/v1/deployments/{MODEL}:promote", json={"version": "1"})
+        assert back.status_code == 200, back.text
+
+
+def _promoted_mid_run(platform: BatchPlatform, run_id: str) -> None:
     run = platform.wait_run(run_id, timeout_s=150)
     # The run was pinned to version 1 when it started: the pools controller keeps version 1
     # served (a hot replica) until the run ends, and every row is version 1.
