@@ -104,8 +104,8 @@ class Settings(BaseSettings):
     warm_set_bytes: int = Field(4 * 1024**3, ge=0)
     """The shared warm tier (local backend): host RAM that holds the cached weights of
     versions with no hot or warm replica (most recently requested first), mapped and
-    locked in the page cache, so a standby process promotes them at memory speed instead
-    of reading the disk. 0 turns it off."""
+    locked in the page cache, so a standby process promotes them from the page cache
+    instead of reading the disk. 0 turns it off."""
     tenant_units_per_s: float = Field(10_000.0, gt=0)
     """Each tenant's admission budget in model units per second."""
     tenant_burst_units: float = Field(20_000.0, gt=0)

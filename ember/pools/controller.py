@@ -212,7 +212,7 @@ class PoolsController:
         self.shared_demand: SharedDemand | None = None
         self.async_queued: dict[tuple[int, str], float] = {}
         # The shared warm tier (local backend, EMBER_WARM_SET_BYTES): versions with no ready
-        # replica held in host RAM, so a standby process promotes them at memory speed.
+        # replica held in host RAM, so a standby process loads them from the page cache.
         self.warm_tier: SharedWarmTier | None = None
 
     # --- lifecycle ----------------------------------------------------------------------
