@@ -503,13 +503,6 @@ def write_table(settings: Settings, uri: str, table: Any) -> None:
     put(settings, uri, lambda path: pq.write_table(table, path))
 
 
-def write_parquet(settings: Settings, uri: str, columns: dict[str, list[Any]]) -> None:
-    """One Parquet object, written whole (a temporary file, then an atomic put)."""
-    import pyarrow as pa
-
-    write_table(settings, uri, pa.table(columns))
-
-
 def write_bytes(settings: Settings, uri: str, data: bytes) -> None:
     put(settings, uri, lambda path: Path(path).write_bytes(data))
 
