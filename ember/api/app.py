@@ -12,8 +12,8 @@ from sqlalchemy import Engine
 import ember
 from ember.api import problems
 from ember.api.deps import PrincipalCache
-from ember.api.lane import FastLane
-from ember.api.middleware import BodyLimit, JsonBodies, RequestContext
+from ember.api.lane import JSON_MEDIA, LaneApp
+from ember.api.middleware import TENSOR_MEDIA, BodyLimit, JsonBodies, RequestContext
 from ember.api.routes import batch as batch_routes
 from ember.api.routes import deployments, health, jobs, models, openai, predict, tenants, v2
 from ember.config import Settings
@@ -63,7 +63,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
                 await app.state.gateway.close()
                 await app.state.gateway.controller.stop()
 
-    app = FastAPI(
+    app = LaneApp(
         title="Ember",
         version=ember.__version__,
         summary="Serverless-style model platform: register, deploy and call model versions.",
@@ -77,8 +77,13 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     for module in (predict, v2, openai, health, tenants, models, deployments, jobs):
         app.include_router(module.router)
     app.include_router(batch_routes.router)
-    # Innermost: the lane sees requests after the request id, body limit and media type.
-    app.add_middleware(FastLane, path=predict.PREDICT_PATH, handler=predict.lean_predict)
+    # In front of everything: the predict lane takes what it reads (``ember.api.lane``).
+    app.add_lane(
+        predict.PREDICT_PATH,
+        predict.lean_predict,
+        max_bytes=settings.max_request_bytes,
+        media=(*JSON_MEDIA, TENSOR_MEDIA),
+    )
     app.add_middleware(JsonBodies)
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
     app.add_middleware(RequestContext)

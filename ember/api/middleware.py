@@ -21,6 +21,14 @@ def last_header(scope: Scope, name: bytes) -> bytes | None:
     return found
 
 
+def request_id_of(scope: Scope) -> str:
+    """The request's ``X-Request-Id`` when it is a sane one (1-64 printable characters),
+    else a fresh random id."""
+    incoming = (last_header(scope, b"x-request-id") or b"").decode("latin-1")
+    request_id = incoming if 0 < len(incoming) <= 64 and incoming.isprintable() else ""
+    return request_id or os.urandom(16).hex()  # as random as a uuid4, cheaper
+
+
 class RequestContext:
     """Give every request an id (``X-Request-Id`` in and out) and bind it to log lines."""
 
@@ -31,9 +39,7 @@ class RequestContext:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        incoming = (last_header(scope, b"x-request-id") or b"").decode("latin-1")
-        request_id = incoming if 0 < len(incoming) <= 64 and incoming.isprintable() else ""
-        request_id = request_id or os.urandom(16).hex()  # as random as a uuid4, cheaper
+        request_id = request_id_of(scope)
         header = (b"x-request-id", request_id.encode())
 
         async def send_with_id(message: Message) -> None:

@@ -143,7 +143,8 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     return response
 
 
-async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+    """An unhandled exception: logged with its traceback, answered as a bare 500 problem."""
     log.exception("unhandled error", path=request.url.path)
     return problem(500, "internal", "Internal error", "an unexpected error occurred", request)
 
@@ -152,4 +153,4 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(EmberError, ember_error_response)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(Exception, _unexpected)
+    app.add_exception_handler(Exception, unexpected)

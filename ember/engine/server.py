@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
@@ -22,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import Scope
 
 from ember.api import problems
-from ember.api.lane import Answer, FastLane, header_values
+from ember.api.lane import Answer, LaneApp, header_values
 from ember.api.middleware import BodyLimit, RequestContext
 from ember.engine.replica import Replica
 from ember.engine.spec import Priority, Tier, VersionSpec
@@ -69,7 +70,7 @@ def create_replica_app(replica: Replica, spec: VersionSpec | None) -> FastAPI:
                 loading.cancel()
             await replica.close()
 
-    app = FastAPI(title="Ember replica", lifespan=lifespan, openapi_url=None)
+    app = LaneApp(title="Ember replica", lifespan=lifespan, openapi_url=None)
     app.state.replica = replica
     problems.install(app)
 
@@ -79,9 +80,15 @@ def create_replica_app(replica: Replica, spec: VersionSpec | None) -> FastAPI:
         return base | ({"X-Ember-Model": s.model, "X-Ember-Version": s.version} if s else {})
 
     async def run(
-        body: InferRequest | TensorBody, priority_header: str | None, timeout_ms: float | None
+        body: InferRequest | TensorBody,
+        priority_header: str | None,
+        timeout_ms: float | None,
+        began: float,
     ) -> tuple[Any, dict[str, str]]:
-        """The answer to ``/infer`` and its headers (the route and the lean lane share it)."""
+        """The answer to ``/infer`` and its headers (the route and the lean lane share it).
+        ``X-Ember-Queue-Ms``: time queued for a batch; ``X-Ember-Replica-Ms``: time from
+        the request's body read (``began``, ``perf_counter``) to the answer built, so a
+        caller can tell the replica's time from everything around it."""
         try:
             default = "online" if isinstance(body, TensorBody) else body.priority
             priority = Priority.parse(priority_header or default)
@@ -98,14 +105,15 @@ def create_replica_app(replica: Replica, spec: VersionSpec | None) -> FastAPI:
         answer = {"predictions": outputs, "model": replica.spec.model,
                   "version": replica.spec.version}  # fmt: skip
         queue_ms = f"{timing.get('queue_s', 0.0) * 1000:.3f}"
-        return answer, headers() | {"X-Ember-Queue-Ms": queue_ms}
+        replica_ms = f"{(time.perf_counter() - began) * 1000:.3f}"
+        return answer, headers() | {"X-Ember-Queue-Ms": queue_ms, "X-Ember-Replica-Ms": replica_ms}
 
     @app.post("/infer")
     async def infer(
         body: InferRequest, response: Response,
         x_ember_priority: Annotated[str | None, Header()] = None,
     ) -> dict[str, Any]:  # fmt: skip
-        answer, extra = await run(body, x_ember_priority, None)
+        answer, extra = await run(body, x_ember_priority, None, time.perf_counter())
         response.headers.update(extra)
         return dict(answer)
 
@@ -113,6 +121,7 @@ def create_replica_app(replica: Replica, spec: VersionSpec | None) -> FastAPI:
         """``/infer`` without FastAPI's routing and validation (the gateway's every hop);
         a JSON body that does not validate is left to the route, which says why. A tensor
         body (``ember.engine.tensorbody``) is only ever served here, errors included."""
+        began = time.perf_counter()
         ctype, priority, timeout = header_values(
             scope, b"content-type", b"x-ember-priority", TIMEOUT_HEADER.encode()
         )
@@ -127,12 +136,13 @@ def create_replica_app(replica: Replica, spec: VersionSpec | None) -> FastAPI:
                 body = InferRequest.model_validate_json(raw)
             except ValueError:
                 return None
-        answer, extra = await run(body, priority, timeout_ms)
+        answer, extra = await run(body, priority, timeout_ms, began)
         names = [(k.lower().encode(), v.encode("latin-1")) for k, v in extra.items()]
         # pydantic's encoder, as FastAPI's for the route (NaN as null): ~6x json.dumps here
         return Answer(pydantic_core.to_json(answer, inf_nan_mode="null"), names)
 
-    app.add_middleware(FastLane, path=re.compile("/infer"), handler=lean_infer)
+    max_bytes = replica.settings.max_request_bytes
+    app.add_lane(re.compile("/infer"), lean_infer, max_bytes=max_bytes, media=None)
     app.add_middleware(BodyLimit, max_bytes=replica.settings.max_request_bytes)
     app.add_middleware(RequestContext)
 

@@ -83,6 +83,8 @@ class Prediction:
     cache: str = "off"
     """Response cache outcome: hit | coalesced | miss | stale | off."""
     hedged: bool = False
+    replica_ms: str | None = None
+    """The replica's own time for the answer (its ``X-Ember-Replica-Ms``), when one answered."""
     content: bytes | None = None
     """The replica's answer as it came (``{"predictions", "model", "version"}``): routes that
     answer in that shape send these bytes on without decoding and re-encoding them."""
@@ -219,9 +221,31 @@ class Gateway:
             except EmberError as exc:
                 self._log(view, tenant, chosen, instances, None, started, input_digest, exc, params)
                 raise
-            self.controller.metrics.rungs.labels(view.name, result.version, result.rung).inc()
-            self._log(view, tenant, chosen, instances, result, started, input_digest, None, params)
+            # The bookkeeping of an answer waits until it is on its way: the callback runs
+            # on the loop's next turn, after the route has sent it, in this context (the
+            # request id and model bindings of its log lines stay).
+            asyncio.get_running_loop().call_soon(
+                self._answered, view, tenant, chosen, instances, result, started,
+                time.monotonic(), input_digest, params,
+            )  # fmt: skip
             return result
+
+    def _answered(
+        self,
+        view: DeploymentView,
+        tenant: str,
+        chosen: str,
+        instances: Instances,
+        result: Prediction,
+        started: float,
+        ended: float,
+        input_digest: str | None,
+        params: dict[str, Any] | None,
+    ) -> None:
+        self.controller.metrics.rungs.labels(view.name, result.version, result.rung).inc()
+        self._log(
+            view, tenant, chosen, instances, result, started, input_digest, None, params, ended
+        )
 
     def _has_ladder(self, view: DeploymentView) -> bool:
         policy = view.policy
@@ -438,16 +462,11 @@ class Gateway:
                 if response.status_code >= 500:
                     record_failure(route)
                 raise _passthrough(response)
-            record_success(route)
-            self.controller.mark_ok(route.replica_id)
             elapsed = time.monotonic() - started
-            window.add(elapsed)
-            metrics.requests.labels(view.name, chosen, "ok").inc()
-            metrics.success(view.name, chosen)
-            metrics.latency.labels(view.name, chosen).observe(elapsed)
-            with contextlib.suppress(KeyError, ValueError):
-                queue_ms = float(response.headers["x-ember-queue-ms"])
-                metrics.queue_time.labels(view.name, chosen).observe(queue_ms / 1000)
+            asyncio.get_running_loop().call_soon(  # after the answer is sent, as above
+                self._replica_answered, route, view.name, chosen, window, elapsed,
+                response.headers.get("x-ember-queue-ms"),
+            )  # fmt: skip
             return Prediction(
                 None,
                 chosen,
@@ -455,6 +474,7 @@ class Gateway:
                 view.name,
                 attempts,
                 hedged=hedged,
+                replica_ms=response.headers.get("x-ember-replica-ms"),
                 content=response.content,
             )
 
@@ -525,6 +545,26 @@ class Gateway:
                 version=version,
             )
         return candidates
+
+    def _replica_answered(
+        self,
+        route: Route,
+        deployment: str,
+        version: str,
+        window: LatencyWindow,
+        elapsed: float,
+        queue_ms: str | None,
+    ) -> None:
+        record_success(route)
+        self.controller.mark_ok(route.replica_id)
+        window.add(elapsed)
+        metrics = self.controller.metrics
+        metrics.requests.labels(deployment, version, "ok").inc()
+        metrics.success(deployment, version)
+        metrics.latency.labels(deployment, version).observe(elapsed)
+        if queue_ms is not None:
+            with contextlib.suppress(ValueError):
+                metrics.queue_time.labels(deployment, version).observe(float(queue_ms) / 1000)
 
     async def _await_replica(
         self, key: tuple[int, str], version: str, units: float, deadline: float
@@ -627,6 +667,7 @@ class Gateway:
         input_digest: str | None,
         error: EmberError | None,
         params: dict[str, Any] | None,
+        ended: float | None = None,
     ) -> None:
         input_value: Any = None
         payload_input: Any = instances
@@ -652,6 +693,7 @@ class Gateway:
             attempts=result.attempts if result else None,
             hedged=result.hedged if result else False,
             error=error.title if error else None,
+            ended=ended,
         )
 
     def log_prediction(
@@ -674,11 +716,13 @@ class Gateway:
         attempts: int | None = None,
         hedged: bool = False,
         error: str | None = None,
+        ended: float | None = None,
     ) -> None:
         """One prediction log record (every protocol route's answers go through here).
 
         Digests not given are computed by the log's writer thread, off the request's path:
-        ``input_digest`` from ``input_value``, ``output_digest`` from ``output_value``."""
+        ``input_digest`` from ``input_value``, ``output_digest`` from ``output_value``.
+        ``ended``: when the answer was ready (default: now)."""
         record: dict[str, Any] = {
             "ts": time.time(),
             "request_id": structlog.contextvars.get_contextvars().get("request_id"),
@@ -689,7 +733,7 @@ class Gateway:
             "artifact_sha256": view.specs.get(version, {}).get("sha256"),
             "rung": rung,
             "status": status,
-            "latency_ms": round((time.monotonic() - started) * 1000, 3),
+            "latency_ms": round(((ended or time.monotonic()) - started) * 1000, 3),
             "cache": cache,
             "replica": replica,
             "attempts": attempts,

@@ -26,6 +26,8 @@ def test_predict_canary_and_sticky_sessions(live: Live) -> None:
     assert ok.status_code == 200, ok.text
     assert len(ok.json()["predictions"]) == 2 and len(ok.json()["predictions"][0]) == 16
     assert ok.headers["x-ember-version"] == "1" and ok.headers["x-ember-replica"]
+    # the replica's own time, so a caller can tell it from the gateway's and the network's
+    assert 0 < float(ok.headers["x-ember-replica-ms"]) < 60_000
     pinned = live.client.post(
         "/v1/models/mlp/versions/1:predict", json={"instances": [[0.0] * 256]}
     )

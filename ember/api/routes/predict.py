@@ -53,8 +53,12 @@ class PredictResponse(BaseModel):
 
 
 def prediction_headers(result: Prediction) -> list[tuple[str, str]]:
-    """Which deployment, version, replica and ladder rung served an answer."""
+    """Which deployment, version, replica and ladder rung served an answer, and the
+    replica's own time for it (``x-ember-replica-ms``; the rest of the latency is Ember's
+    gateway and the network)."""
+    timing = [] if result.replica_ms is None else [("x-ember-replica-ms", result.replica_ms)]
     return [
+        *timing,
         ("x-ember-deployment", result.deployment),
         ("x-ember-version", result.version),
         ("x-ember-replica", result.replica_id),
