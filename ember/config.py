@@ -201,6 +201,13 @@ class Settings(BaseSettings):
     """Read each chunk of a local file that the page cache does not hold whole with
     O_DIRECT into huge-page memory (where the filesystem allows it); cached chunks are
     always read through the page cache."""
+    loader_map_resident: bool = True
+    """On CPU, a cache entry the page cache holds whole (a version in the shared warm tier,
+    or one a replica loaded before) is mapped instead of copied: the tensors are
+    copy-on-write views of the page cache, shared by every replica of the version, and
+    every page is mapped before the load returns. Such pages stay reclaimable file
+    pages: under memory pressure the kernel may drop them and fault them back in from
+    the cache file later."""
 
     # --- async jobs (ember/jobs) ---
     jobs_api_url: str | None = None

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from ember.errors import ArtifactError, LoaderError, ObjectChanged
 from ember.loader.pagecache import (
     DIRECT_ALIGN,
+    MINCORE_BIT0,
     PAGE,
     cached_pages,
     host_buffer,
@@ -141,6 +142,9 @@ class Destinations:
     """File offset of ``whole[0]`` (4 KiB aligned)."""
     host: dict[str, memoryview] = field(default_factory=dict)
     """name -> writable memoryview of a CPU destination (for direct reads)."""
+    apart: set[str] = field(default_factory=set)
+    """With ``whole``: tensors misaligned there for their dtype, so in storage of their
+    own; their bytes are copied out of ``whole`` as they arrive."""
 
 
 def _byte_alias(t: torch.Tensor) -> torch.Tensor:
@@ -168,6 +172,7 @@ def allocate(header: Header, device: torch.device, *, whole_file: bool) -> Desti
     end = _align_up(header.file_size) if whole_file else header.file_size
     whole = _aligned_host_buffer(end - base)
     tensors, raw = {}, {}
+    apart = set()
     for s in header.tensors:
         lo = header.data_offset + s.begin - base
         chunk = whole[lo : lo + s.nbytes]
@@ -175,13 +180,66 @@ def allocate(header: Header, device: torch.device, *, whole_file: bool) -> Desti
         if lo % itemsize:  # misaligned for its dtype (odd-sized neighbour): own storage
             t = torch.empty(s.shape, dtype=dtypes[s.dtype])
             raw[s.name] = _byte_alias(t)
+            apart.add(s.name)
         else:
             t = chunk.view(dtypes[s.dtype]).reshape(s.shape)
             raw[s.name] = chunk
         tensors[s.name] = t
-    dest = Destinations(header, device, tensors, raw, whole=whole, base=base)
+    dest = Destinations(header, device, tensors, raw, whole=whole, base=base, apart=apart)
     dest.host = {n: r.numpy().data for n, r in raw.items()}
     return dest
+
+
+MADV_POPULATE_READ = 22
+"""madvise(2), Linux 5.14+: map every page of a range readable, as if each were read,
+without breaking copy-on-write (the flag Python's mmap module names only from 3.13)."""
+
+
+def map_resident(header: Header, path: Path) -> Destinations | None:
+    """CPU destinations that are the file's own pages: a private (copy-on-write) mapping of
+    the whole file with every page mapped before this returns (``MADV_POPULATE_READ``),
+    tensors are views of it. No byte is copied; the pages are the page cache's, shared
+    with every other process that maps or holds the file, and a tensor written in place
+    gets private copies of the pages it writes.
+
+    None (the caller reads the file instead) when a tensor is misaligned for its dtype
+    or the kernel cannot populate a mapping this way."""
+    import mmap
+
+    import torch
+
+    dtypes = torch_dtypes()
+    sizes: dict[str, int] = {}
+    for s in header.tensors:
+        if s.dtype not in dtypes:
+            raise ArtifactError(f"tensor {s.name!r}: dtype {s.dtype} has no torch dtype")
+        itemsize = sizes.setdefault(s.dtype, torch.empty((), dtype=dtypes[s.dtype]).element_size())
+        if (header.data_offset + s.begin) % itemsize:
+            return None
+    if header.file_size == 0:
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if os.fstat(fd).st_size != header.file_size:
+            raise ObjectChanged(f"{path} changed size while it was loaded")
+        mapped = mmap.mmap(
+            fd, header.file_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+        )
+    finally:
+        os.close(fd)
+    try:
+        mapped.madvise(MADV_POPULATE_READ)
+    except OSError:  # an older kernel: EINVAL
+        mapped.close()
+        return None
+    whole = torch.frombuffer(mapped, dtype=torch.uint8)  # the tensor keeps the mapping alive
+    tensors, raw = {}, {}
+    for s in header.tensors:
+        lo = header.data_offset + s.begin
+        chunk = whole[lo : lo + s.nbytes]
+        tensors[s.name] = chunk.view(dtypes[s.dtype]).reshape(s.shape)
+        raw[s.name] = chunk
+    return Destinations(header, torch.device("cpu"), tensors, raw, whole=whole, base=0)
 
 
 def _aligned_host_buffer(nbytes: int) -> torch.Tensor:
@@ -351,10 +409,7 @@ class FilePlacement:
         with self._resident_lock:
             if self._resident is None:
                 self._resident = resident_pages(self.path)
-        return 0 not in self._resident[first:last].translate(_BIT0)
-
-
-_BIT0 = bytes(b & 1 for b in range(256))  # mincore: only bit 0 of each byte is defined
+        return 0 not in self._resident[first:last].translate(MINCORE_BIT0)
 
 
 class _Worker:
@@ -434,6 +489,12 @@ class _Worker:
         # read fault them one by one); ctypes drops the GIL, so workers do it in parallel.
         populate_range(whole.data_ptr() + lo - base, _align_up(hi - lo))
         self._read_any(whole.numpy().data[lo - base :], lo, hi, use_direct)
+        if self.o.dest.apart:  # misaligned tensors: their bytes, out of the buffer
+            off = self.o.header.data_offset
+            for s, a, b in self.o.plan.overlaps(*self.o._data_range(lo, hi)):
+                if s.name in self.o.dest.apart:
+                    src = whole[off + a - base : off + b - base]
+                    self.o.dest.raw[s.name][a - s.begin : b - s.begin].copy_(src)
 
     def _read_into_host(self, lo: int, hi: int) -> None:
         """Cached chunk, CPU destinations: one preadv straight into the tensors."""

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from ember.config import Settings
 from ember.errors import ArtifactError
 from ember.loader.cache import CacheKey, FillResult, Pin, WeightCache
+from ember.loader.pagecache import fully_resident
 from ember.loader.report import CacheOutcome, LoadReport
 from ember.loader.safetensors import PREFIX_BYTES, Header, parse_header, read_header_len
 from ember.loader.stores import open_store
@@ -271,6 +272,16 @@ def place_file(
     t0 = time.perf_counter()
     header = read_header(path, settings.artifact_max_header_bytes)
     target = torch.device(device)
+    if into is None and target.type == "cpu" and settings.loader_map_resident:
+        mapped = _map_if_resident(header, path)
+        if mapped is not None:
+            if ws is not None:
+                ws._started(mapped)
+                ws._done([s.name for s in header.tensors])
+            if report is not None:
+                report.bytes, report.tensors = header.data_len, len(header.tensors)
+                report.stage("map", header.data_len, time.perf_counter() - t0)
+            return mapped.tensors
     dest = (
         dev.into(header, into)
         if into is not None
@@ -287,6 +298,15 @@ def place_file(
         report.bytes, report.tensors = header.data_len, len(header.tensors)
         report.stage("place", header.data_len, time.perf_counter() - t0)
     return dest.tensors
+
+
+def _map_if_resident(header: Header, path: Path) -> Destinations | None:
+    """The file mapped (``device.map_resident``) when the page cache holds all of it."""
+    from ember.loader import device as dev
+
+    if not fully_resident(path):
+        return None
+    return dev.map_resident(header, path)
 
 
 def load_file(

@@ -128,6 +128,24 @@ def cached_pages(fd: int, offset: int, length: int) -> int | None:
     return int(out.nr_cache)
 
 
+def fully_resident(path: Path | str) -> bool:
+    """Whether the page cache holds every page of the file (one ``cachestat`` call where
+    the kernel has it, else ``mincore``)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        pages = -(-size // PAGE)
+        cached = cached_pages(fd, 0, pages * PAGE) if size else 0
+    finally:
+        os.close(fd)
+    if cached is not None:
+        return cached >= pages
+    return 0 not in resident_pages(path).translate(MINCORE_BIT0)
+
+
+MINCORE_BIT0 = bytes(b & 1 for b in range(256))  # mincore: only bit 0 of each byte is defined
+
+
 def resident_fraction(path: Path | str) -> float:
     vec = resident_pages(path)
     return sum(b & 1 for b in vec) / len(vec) if vec else 1.0
