@@ -87,7 +87,12 @@ class Settings(BaseSettings):
     pools_enabled: bool = True
     """Run the pools controller (replicas for every deployment) in the API process."""
     standby_replicas: int = Field(1, ge=0, le=64)
-    """Standby processes (runtime imported, no weights) kept ready for fast scale-ups."""
+    """Standby processes (runtime imported, no weights) kept ready for fast scale-ups: the
+    pool's floor (0 turns the pool off)."""
+    standby_max_replicas: int = Field(4, ge=0, le=64)
+    """The pool grows from the floor with the starts it has served: one more than the most
+    asked for within one process start time (learned), as ``ember simulate`` sizes it,
+    never beyond this. At or below the floor: a fixed pool."""
     probe_idle_s: float = Field(5.0, gt=0)
     """Probe a ready replica's ``/healthz`` when it answered nothing for this long."""
     probe_timeout_s: float = Field(2.0, gt=0)

@@ -105,7 +105,8 @@ def start_pools(settings: Settings, engine: Engine) -> Gateway:
     controller = PoolsController(
         engine,
         backend,
-        standby_pool=standby_pool(settings),
+        standby_pool=standby_pool(settings)[0],
+        standby_max=standby_pool(settings)[1],
         probe=probe,
         leader=election_for(settings, backend),
         autoscale={

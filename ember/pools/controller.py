@@ -38,8 +38,11 @@ from ember.pools.autoscaler import (
     EmberState,
     Observation,
     PromotionTimes,
+    StandbyPoolConfig,
+    StandbyPoolState,
     TierCounts,
     ember_autoscaler,
+    size_standby_pool,
 )
 from ember.pools.backends.base import (
     LaunchOptions,
@@ -153,6 +156,7 @@ class PoolsController:
         backend: ReplicaBackend,
         *,
         standby_pool: int = 1,
+        standby_max: int | None = None,
         probe: ProbeSettings | None = None,
         tick_s: float = 0.25,
         max_restarts: int = 3,
@@ -166,6 +170,12 @@ class PoolsController:
         self.leading = leader is None
         self._lease_checked = -math.inf
         self.standby_pool = standby_pool
+        """Standby processes kept now: the floor, grown by ``_standby_asked``."""
+        self.standby_floor = standby_pool
+        self.standby_max = standby_pool if standby_max is None else standby_max
+        self.standby_state = StandbyPoolState()
+        self.standby_spawn_s: list[float] = []
+        """Seconds a standby process took to be ready (the last 50): the pool's refill time."""
         self.probe_settings = probe or ProbeSettings()
         self.tick_s = tick_s
         self.max_restarts = max_restarts
@@ -487,6 +497,9 @@ class PoolsController:
             replica.state = "ready" if replica.key[1] else "standby"
             replica.ready_at = time.monotonic()
             replica.last_ok = replica.ready_at
+            if not replica.key[1] and not replica.adopted:
+                spawn = replica.ready_at - replica.started_at
+                self.standby_spawn_s = [*self.standby_spawn_s[-49:], spawn]
             if (replica.key, replica.version) in self.woken:  # serve the wake-up, then scale
                 idle_hold = self.autoscale_knobs.get("idle_hold_s", WAKE_HOLD_S)
                 self.woken[(replica.key, replica.version)] = replica.ready_at + idle_hold
@@ -582,6 +595,28 @@ class PoolsController:
             self.warm_tier.demanded(key, version)
         if admitted:
             arrived_admitted[1] += units
+
+    def _standby_asked(self) -> None:
+        """A start asks the shared standby pool for a process, found or not: the pool is
+        sized from those asks with the simulator's own rule (``size_standby_pool``: one more
+        than the most asked for within one refill time, the refill time learned here),
+        between the floor and ``standby_max``."""
+        if self.standby_max <= self.standby_floor or self.standby_floor == 0:
+            return
+        spawns = sorted(self.standby_spawn_s)
+        refill = spawns[int(0.95 * (len(spawns) - 1))] if spawns else None
+        cfg = StandbyPoolConfig(minimum=self.standby_floor)
+        if refill is not None:
+            cfg = StandbyPoolConfig(replenish_s=refill, minimum=self.standby_floor)
+        size, self.standby_state = size_standby_pool(self.standby_state, cfg, time.monotonic())
+        size = min(self.standby_max, size)
+        if size > self.standby_pool:
+            self.standby_pool = size
+            event = {"event": "standby_pool", "size": size, "peak_asks": self.standby_state.peak,
+                     "refill_s": round(cfg.replenish_s, 3), "tenant_id": 0, "deployment": "",
+                     "at": time.time()}  # fmt: skip
+            self.events = [*self.events[-199:], event]
+            log.info("standby pool grown", size=size, peak_asks=self.standby_state.peak)
 
     def _promoted(self, tier: str, seconds: float) -> None:
         self.promotion_s[tier] = [*self.promotion_s[tier][-49:], seconds]
@@ -747,6 +782,7 @@ class PoolsController:
             deployment=view.name,
             placement=view.policy.placement,
         )
+        self._standby_asked()
         standby = next(
             (
                 r

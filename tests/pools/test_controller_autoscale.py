@@ -166,3 +166,30 @@ def test_without_fill_warm_nothing_is_started_for_the_warm_tier() -> None:
     ctl.targets[(KEY, "1")] = TierCounts(hot=1, warm=2)
     ctl._fill_warm()
     assert backend.launched == []
+
+
+def test_the_standby_pool_grows_with_the_starts_it_serves_as_the_simulator_sizes_it() -> None:
+    from ember.pools.autoscaler import StandbyPoolConfig
+    from ember.pools.simulator import SharedStandby
+
+    backend = FakeBackend()
+    ctl = PoolsController(None, backend, standby_pool=1, standby_max=3)  # type: ignore[arg-type]
+    ctl._keep_standby()
+    assert len(backend.launched) == 1 and backend.launched == [None]  # the floor
+    ctl.standby_spawn_s = [5.0]  # learned: a standby process takes 5 s to be ready
+    sim = SharedStandby(StandbyPoolConfig(replenish_s=5.0, minimum=1))
+    for _ in range(2):  # two starts within one refill time
+        ctl._standby_asked()
+        sim.take(0.0)
+    assert ctl.standby_pool == 3 == sim.sizes[-1][1]  # one more than the most asked for
+    ctl._standby_asked()  # a third: the simulator would hold 4, the cap says 3
+    assert ctl.standby_pool == 3
+    assert [e["size"] for e in ctl.events if e["event"] == "standby_pool"] == [2, 3]
+    ctl._keep_standby()
+    assert len(backend.launched) == 3
+    # A fixed pool (no maximum above the floor) and a pool turned off never grow.
+    for floor, most in ((1, None), (0, 4)):
+        fixed = PoolsController(None, FakeBackend(), standby_pool=floor, standby_max=most)  # type: ignore[arg-type]
+        for _ in range(5):
+            fixed._standby_asked()
+        assert fixed.standby_pool == floor

@@ -21,9 +21,12 @@ def create_backend(settings: Settings) -> ReplicaBackend:
     return LocalProcessBackend(settings)
 
 
-def standby_pool(settings: Settings) -> int:
-    """Standby replicas the controller keeps: ``EMBER_STANDBY_REPLICAS``, per hardware
-    type on Kubernetes."""
+def standby_pool(settings: Settings) -> tuple[int, int]:
+    """Standby replicas the controller keeps at least and at most:
+    ``EMBER_STANDBY_REPLICAS`` and ``EMBER_STANDBY_MAX_REPLICAS``, per hardware type on
+    Kubernetes."""
+    kinds = 1
     if settings.replica_backend == "kubernetes":
-        return settings.standby_replicas * max(1, len(settings.k8s_standby_accelerators))
-    return settings.standby_replicas
+        kinds = max(1, len(settings.k8s_standby_accelerators))
+    floor = settings.standby_replicas * kinds
+    return floor, max(floor, settings.standby_max_replicas * kinds)
