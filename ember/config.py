@@ -106,6 +106,11 @@ class Settings(BaseSettings):
     """A ``scale_to_zero`` deployment keeps one warm replica this long after its last
     request (longer where its daily profile expects requests); then it holds none, and
     the next request wakes it (from a standby process where one is free)."""
+    scale_fill_warm: bool = False
+    """Start replicas straight into the warm tier (loaded, then demoted) when the autoscaler
+    wants more warm ones than demoting hot ones gives, as ``ember simulate`` assumes. Off by
+    default: on CPU a warm replica holds as much memory as a hot one (on a GPU it frees the
+    device memory)."""
     warm_set_bytes: int = Field(4 * 1024**3, ge=0)
     """The shared warm tier (local backend): host RAM that holds the cached weights of
     versions with no hot or warm replica (most recently requested first), mapped and

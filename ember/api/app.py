@@ -113,6 +113,7 @@ def start_pools(settings: Settings, engine: Engine) -> Gateway:
             "idle_hold_s": settings.scale_idle_hold_s,
             "warm_keep_s": settings.scale_warm_keep_s,
         },
+        fill_warm=settings.scale_fill_warm,
     )
     if not backend.replicas_outlive_controller:  # local processes share this host's RAM
         from ember.pools.warmtier import SharedWarmTier
