@@ -142,6 +142,8 @@ class Destinations:
     """File offset of ``whole[0]`` (4 KiB aligned)."""
     host: dict[str, memoryview] = field(default_factory=dict)
     """name -> writable memoryview of a CPU destination (for direct reads)."""
+    mapping: Any = None
+    """``map_resident``: the file's mapping (alive while any of the tensors is)."""
     apart: set[str] = field(default_factory=set)
     """With ``whole``: tensors misaligned there for their dtype, so in storage of their
     own; their bytes are copied out of ``whole`` as they arrive."""
@@ -239,7 +241,8 @@ def map_resident(header: Header, path: Path) -> Destinations | None:
         chunk = whole[lo : lo + s.nbytes]
         tensors[s.name] = chunk.view(dtypes[s.dtype]).reshape(s.shape)
         raw[s.name] = chunk
-    return Destinations(header, torch.device("cpu"), tensors, raw, whole=whole, base=0)
+    cpu = torch.device("cpu")
+    return Destinations(header, cpu, tensors, raw, whole=whole, base=0, mapping=mapped)
 
 
 def _aligned_host_buffer(nbytes: int) -> torch.Tensor:

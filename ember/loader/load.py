@@ -24,6 +24,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from ember.config import Settings
 from ember.errors import ArtifactError
 from ember.loader.cache import CacheKey, FillResult, Pin, WeightCache
-from ember.loader.pagecache import fully_resident
+from ember.loader.pagecache import PinnedFile, fully_resident
 from ember.loader.report import CacheOutcome, LoadReport
 from ember.loader.safetensors import PREFIX_BYTES, Header, parse_header, read_header_len
 from ember.loader.stores import open_store
@@ -301,12 +302,52 @@ def place_file(
 
 
 def _map_if_resident(header: Header, path: Path) -> Destinations | None:
-    """The file mapped (``device.map_resident``) when the page cache holds all of it."""
+    """The file mapped (``device.map_resident``) when the page cache holds all of it, its
+    pages then locked in the page cache for as long as the mapping lives (``_Hold``)."""
     from ember.loader import device as dev
 
     if not fully_resident(path):
         return None
-    return dev.map_resident(header, path)
+    dest = dev.map_resident(header, path)
+    if dest is not None and dest.mapping is not None:
+        hold = _Hold(path)
+        weakref.finalize(dest.mapping, hold.close)
+        threading.Thread(target=hold.pin, name="ember-pin", daemon=True).start()
+    return dest
+
+
+class _Hold:
+    """Mapped weights are page-cache pages, which the kernel may reclaim when they are not
+    used for a while (memory pressure, a proactive reclaim daemon such as DAMON): an idle
+    replica would then read its weights from the disk again on its next request. This
+    holds them with ``pagecache.PinnedFile`` (a shared read-only mapping, ``mlock``-ed: no
+    copy-on-write is broken), from just after the load until the mapping is freed. Pinning
+    takes ~0.15 s per GiB, so it runs in a thread, off the load's path. Where the process
+    may not lock memory, nothing is held."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.pinned: PinnedFile | None = None
+        self.closed = False
+        self.lock = threading.Lock()
+
+    def pin(self) -> None:
+        try:
+            pinned = PinnedFile(self.path)
+        except OSError:
+            return
+        with self.lock:
+            if self.closed or not pinned.locked:
+                pinned.close()
+            else:
+                self.pinned = pinned
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            if self.pinned is not None:
+                self.pinned.close()
+                self.pinned = None
 
 
 def load_file(

@@ -101,3 +101,40 @@ def test_a_cache_hit_held_in_ram_is_mapped(settings: Settings) -> None:
     hit = loader.load("m", "1", source.as_uri(), sha)
     assert hit.report.cache == "hit" and "map" in stages(hit)
     assert_same(hit.tensors, want)
+
+
+def locked_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmLck:"):
+            return int(line.split()[1])
+    return 0
+
+
+def test_mapped_weights_stay_locked_in_ram_while_they_live(tmp_path: Path) -> None:
+    import gc
+    import time
+
+    path = tmp_path / "m.safetensors"
+    want = aligned_artifact(path)
+    probe = pagecache.PinnedFile(path)
+    can_lock = probe.locked
+    probe.close()
+    if not can_lock:
+        pytest.skip("this process may not lock memory")
+    before = locked_kib()
+    size_kib = path.stat().st_size // 1024
+    got = load_file(path)
+    assert "map" in stages(got)
+    # pinned just after the load (in a thread): a reclaim daemon cannot take the pages
+    deadline = time.monotonic() + 10
+    while locked_kib() < before + size_kib and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert locked_kib() >= before + size_kib
+    tensors = got.tensors
+    del got
+    gc.collect()
+    assert locked_kib() >= before + size_kib  # the tensors still live: still held
+    assert_same(tensors, want)
+    del tensors
+    gc.collect()
+    assert locked_kib() == before  # the mapping is gone: so is the lock
