@@ -37,8 +37,6 @@ log = get_logger(__name__)
 MAX_ERROR_BYTES = 64 * 1024
 #: Most answer bytes kept for a deployment that logs payloads (the digest covers all).
 MAX_LOGGED_BYTES = 1024 * 1024
-#: How long a stream whose client left waits for the replica's end of the answer.
-END_WAIT_S = 0.2
 
 
 @dataclass
@@ -62,11 +60,12 @@ class Opened:
     _digest: Any = field(default_factory=hashlib.sha256, repr=False)
     _kept: list[bytes] = field(default_factory=list, repr=False)
     _kept_bytes: int = field(default=0, repr=False)
-    _chunks: AsyncIterator[bytes] | None = field(default=None, repr=False)
+    _tail: bytes = field(default=b"", repr=False)
 
     def _seen(self, chunk: bytes) -> bytes:
         """Hash what reaches the client (and keep it, bounded, for payload logging)."""
         self._digest.update(chunk)
+        self._tail = (self._tail + chunk)[-64:]
         if self.view.policy.log_payloads and self._kept_bytes < MAX_LOGGED_BYTES:
             self._kept.append(chunk)
             self._kept_bytes += len(chunk)
@@ -110,9 +109,8 @@ class Opened:
         """The body as it arrives. A replica that fails mid-stream ends it with
         ``on_error(message)`` (e.g. an SSE error event) when given."""
         ok = False
-        self._chunks = self.response.aiter_bytes()
         try:
-            async for chunk in self._chunks:
+            async for chunk in self.response.aiter_bytes():
                 yield self._seen(chunk)
             ok = self.status == 200
         except httpx.HTTPError as exc:
@@ -126,28 +124,24 @@ class Opened:
             await self._finish(ok)
 
     async def close(self) -> None:
-        """Release the replica (idempotent): for a stream its reader never finished. A
-        client may leave right after the last byte (an SSE client stops reading at
-        ``data: [DONE]``, and the server notices before the stream has seen the replica's
-        end): such an answer was whole, told apart by whether the replica's had ended."""
-        await self._finish(await self._ended())
+        """Release the replica (idempotent): for a stream its reader never finished."""
+        await self._finish(False)
 
-    async def _ended(self) -> bool:
-        """Whether the replica's answer ends where the client stopped (a stream only)."""
-        if self._done or self._chunks is None or self.status != 200:
-            return False
-        with anyio.CancelScope(shield=True), anyio.move_on_after(END_WAIT_S):
-            try:
-                await self._chunks.__anext__()
-            except StopAsyncIteration:
-                return True
-            except (httpx.HTTPError, RuntimeError):  # broken, or the stream still running
-                return False
-        return False  # more bytes came (or none within the wait): the client left early
+    def _whole_event_stream(self) -> bool:
+        """An OpenAI event stream is whole once its last event, ``data: [DONE]``, went out.
+        Its client stops reading there and may leave before the relay has seen the
+        replica's end of the stream (the server then cancels the relay): that answer was
+        not cut short."""
+        return (
+            self.status == 200
+            and "text/event-stream" in self.media_type
+            and self._tail.rstrip().endswith(b"data: [DONE]")
+        )
 
     async def _finish(self, ok: bool) -> None:
         if self._done:
             return
+        ok = ok or self._whole_event_stream()
         self._done = True
         self.route.inflight_units -= self.units
         controller = self.gateway.controller
