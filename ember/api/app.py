@@ -102,11 +102,12 @@ def start_pools(settings: Settings, engine: Engine) -> Gateway:
 
     probe = ProbeSettings(settings.probe_idle_s, settings.probe_timeout_s, settings.probe_failures)
     backend = create_backend(settings)  # local processes, or Kubernetes with a Lease
+    standby_floor, standby_max = standby_pool(settings)
     controller = PoolsController(
         engine,
         backend,
-        standby_pool=standby_pool(settings)[0],
-        standby_max=standby_pool(settings)[1],
+        standby_pool=standby_floor,
+        standby_max=standby_max,
         probe=probe,
         leader=election_for(settings, backend),
         autoscale={

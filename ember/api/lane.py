@@ -54,9 +54,10 @@ routes do)."""
 
 
 class FastLane:
-    """Serve ``POST`` requests whose path fully matches ``path`` with ``handler``; leave
-    the rest to ``app``. ``media``: the Content-Types the lane reads (besides JSON), or
-    None for any."""
+    """Serve ``POST`` requests whose path fully matches ``path`` with ``handler`` (what
+    ``takes`` accepts, ``LaneApp`` hands to ``serve``); a request the handler leaves goes
+    on to ``app``. ``media``: the Content-Types the lane reads (besides JSON), or None for
+    any."""
 
     def __init__(
         self,
@@ -95,13 +96,6 @@ class FastLane:
                 if media not in self.media and not media.endswith(b"+json"):
                     return None  # the full stack says 415 (or reads it its own way)
         return match
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        match = self.takes(scope)
-        if match is None:
-            await self.app(scope, receive, send)
-        else:
-            await self.serve(scope, receive, send, match)
 
     async def serve(self, scope: Scope, receive: Receive, send: Send, match: re.Match[str]) -> None:
         """Serve a request ``takes`` matched."""

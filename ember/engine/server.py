@@ -143,7 +143,7 @@ def create_replica_app(replica: Replica, spec: VersionSpec | None) -> FastAPI:
 
     max_bytes = replica.settings.max_request_bytes
     app.add_lane(re.compile("/infer"), lean_infer, max_bytes=max_bytes, media=None)
-    app.add_middleware(BodyLimit, max_bytes=replica.settings.max_request_bytes)
+    app.add_middleware(BodyLimit, max_bytes=max_bytes)
     app.add_middleware(RequestContext)
 
     @app.get("/healthz")

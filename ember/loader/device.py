@@ -50,7 +50,7 @@ from ember.loader.pagecache import (
     populate_range,
     resident_pages,
 )
-from ember.loader.safetensors import PREFIX_BYTES, Header, TensorSpec
+from ember.loader.safetensors import DTYPE_BITS, PREFIX_BYTES, Header, TensorSpec
 from ember.logs import submit_in_context
 
 if TYPE_CHECKING:
@@ -155,14 +155,25 @@ def _byte_alias(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
 
-def allocate(header: Header, device: torch.device, *, whole_file: bool) -> Destinations:
-    """Fresh destinations. On CPU: one aligned buffer, tensors are views of it."""
-    import torch
-
+def _dtypes_of(header: Header) -> dict[str, torch.dtype]:
+    """``torch_dtypes()``, once every tensor's dtype is known to be among them."""
     dtypes = torch_dtypes()
     for spec in header.tensors:
         if spec.dtype not in dtypes:
             raise ArtifactError(f"tensor {spec.name!r}: dtype {spec.dtype} has no torch dtype")
+    return dtypes
+
+
+def _aligned(spec: TensorSpec, file_offset: int) -> bool:
+    """Whether a tensor at ``file_offset`` is aligned for its dtype (a view of it works)."""
+    return file_offset % max(1, DTYPE_BITS[spec.dtype] // 8) == 0
+
+
+def allocate(header: Header, device: torch.device, *, whole_file: bool) -> Destinations:
+    """Fresh destinations. On CPU: one aligned buffer, tensors are views of it."""
+    import torch
+
+    dtypes = _dtypes_of(header)
     if device.type != "cpu":
         tensors = {
             s.name: torch.empty(s.shape, dtype=dtypes[s.dtype], device=device)
@@ -178,8 +189,7 @@ def allocate(header: Header, device: torch.device, *, whole_file: bool) -> Desti
     for s in header.tensors:
         lo = header.data_offset + s.begin - base
         chunk = whole[lo : lo + s.nbytes]
-        itemsize = torch.empty((), dtype=dtypes[s.dtype]).element_size()
-        if lo % itemsize:  # misaligned for its dtype (odd-sized neighbour): own storage
+        if not _aligned(s, lo):  # misaligned for its dtype (odd-sized neighbour): own storage
             t = torch.empty(s.shape, dtype=dtypes[s.dtype])
             raw[s.name] = _byte_alias(t)
             apart.add(s.name)
@@ -210,15 +220,10 @@ def map_resident(header: Header, path: Path) -> Destinations | None:
 
     import torch
 
-    dtypes = torch_dtypes()
-    sizes: dict[str, int] = {}
-    for s in header.tensors:
-        if s.dtype not in dtypes:
-            raise ArtifactError(f"tensor {s.name!r}: dtype {s.dtype} has no torch dtype")
-        itemsize = sizes.setdefault(s.dtype, torch.empty((), dtype=dtypes[s.dtype]).element_size())
-        if (header.data_offset + s.begin) % itemsize:
-            return None
-    if header.file_size == 0:
+    dtypes = _dtypes_of(header)
+    if header.file_size == 0 or not all(
+        _aligned(s, header.data_offset + s.begin) for s in header.tensors
+    ):
         return None
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -273,31 +273,30 @@ def place_file(
     t0 = time.perf_counter()
     header = read_header(path, settings.artifact_max_header_bytes)
     target = torch.device(device)
+    dest = None
     if into is None and target.type == "cpu" and settings.loader_map_resident:
-        mapped = _map_if_resident(header, path)
-        if mapped is not None:
-            if ws is not None:
-                ws._started(mapped)
-                ws._done([s.name for s in header.tensors])
-            if report is not None:
-                report.bytes, report.tensors = header.data_len, len(header.tensors)
-                report.stage("map", header.data_len, time.perf_counter() - t0)
-            return mapped.tensors
-    dest = (
-        dev.into(header, into)
-        if into is not None
-        else dev.allocate(header, target, whole_file=True)
-    )
+        dest = _map_if_resident(header, path)  # every byte there already: nothing to place
+    mapped = dest is not None
+    if dest is None:
+        dest = (
+            dev.into(header, into)
+            if into is not None
+            else dev.allocate(header, target, whole_file=True)
+        )
+    done = ws._done if ws is not None else lambda names: None
     if ws is not None:
         ws._started(dest)
-    placement = dev.FilePlacement(
-        path, dest, threads=settings.loader_threads, chunk_bytes=settings.loader_chunk_bytes,
-        staging_bytes=settings.loader_staging_bytes, direct_io=settings.loader_direct_io,
-    )  # fmt: skip
-    placement.run(ws._done if ws is not None else lambda names: None)
+    if mapped:
+        done([s.name for s in header.tensors])
+    else:
+        placement = dev.FilePlacement(
+            path, dest, threads=settings.loader_threads, chunk_bytes=settings.loader_chunk_bytes,
+            staging_bytes=settings.loader_staging_bytes, direct_io=settings.loader_direct_io,
+        )  # fmt: skip
+        placement.run(done)
     if report is not None:
         report.bytes, report.tensors = header.data_len, len(header.tensors)
-        report.stage("place", header.data_len, time.perf_counter() - t0)
+        report.stage("map" if mapped else "place", header.data_len, time.perf_counter() - t0)
     return dest.tensors
 
 

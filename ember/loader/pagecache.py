@@ -128,6 +128,9 @@ def cached_pages(fd: int, offset: int, length: int) -> int | None:
     return int(out.nr_cache)
 
 
+MINCORE_BIT0 = bytes(b & 1 for b in range(256))  # mincore: only bit 0 of each byte is defined
+
+
 def fully_resident(path: Path | str) -> bool:
     """Whether the page cache holds every page of the file (one ``cachestat`` call where
     the kernel has it, else ``mincore``)."""
@@ -141,9 +144,6 @@ def fully_resident(path: Path | str) -> bool:
     if cached is not None:
         return cached >= pages
     return 0 not in resident_pages(path).translate(MINCORE_BIT0)
-
-
-MINCORE_BIT0 = bytes(b & 1 for b in range(256))  # mincore: only bit 0 of each byte is defined
 
 
 def resident_fraction(path: Path | str) -> float:
