@@ -215,3 +215,21 @@ def test_a_request_waits_for_a_starting_replica_within_its_deadline(live: Live) 
     answer = live.predict("mlp", timeout_ms=120_000)
     assert answer.status_code == 200, answer.text
     assert answer.headers["x-ember-version"] == "1"
+
+
+def test_pool_settings_reach_the_controller(data_dir: Path) -> None:
+    """EMBER_SCALE_FILL_WARM and the standby pool's bounds are the live controller's."""
+    from ember.api.app import create_app
+    from ember.config import Settings
+    from tests.gateway.conftest import ADMIN_KEY
+    from tests.services import serve_app
+
+    settings = Settings(
+        data_dir=data_dir, admin_key=ADMIN_KEY, scale_fill_warm=True,  # type: ignore[arg-type]
+        standby_replicas=0, standby_max_replicas=3,
+    )  # fmt: skip
+    app = create_app(settings)
+    with serve_app(app):
+        controller = app.state.gateway.controller
+        assert controller.fill_warm is True
+        assert (controller.standby_floor, controller.standby_max) == (0, 3)
