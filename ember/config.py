@@ -215,9 +215,9 @@ class Settings(BaseSettings):
     """On CPU, a cache entry the page cache holds whole (a version in the shared warm tier,
     or one a replica loaded before) is mapped instead of copied: the tensors are
     copy-on-write views of the page cache, shared by every replica of the version, and
-    every page is mapped before the load returns. Such pages stay reclaimable file
-    pages: under memory pressure the kernel may drop them and fault them back in from
-    the cache file later."""
+    every page is mapped before the load returns. The replica then locks those pages in
+    RAM (``mlock``, just after the load) while it holds the weights; where it may not lock
+    memory they stay reclaimable, and an idle replica may read them from the disk again."""
 
     # --- async jobs (ember/jobs) ---
     jobs_api_url: str | None = None
