@@ -12,6 +12,9 @@ transformers engine, 90 MB) and a >= 1 GiB MLP (torch engine, fp32, hidden 8192,
   ``/assign`` + the first ``/infer``. The version is in the NVMe cache and its pages are
   dropped from the page cache (``posix_fadvise(DONTNEED)``, checked with ``mincore``), so
   the weights really come off the disk. ``standby-pc`` (1 GiB model): every page resident.
+  As the pools controller starts them, standby processes fault in the weights' memory
+  ahead (``--reserve-bytes``, the artifact's size) and the bench waits until they have;
+  ``--no-standby-reserve`` measures a standby process without it.
 * **cold-nvme**: spawn ``ember engine --spec-file`` + load + the first ``/infer``; the cache
   holds the version, its pages dropped.
 * **cold-store**: the same with an empty cache: the ``file://`` object store (its pages
@@ -174,12 +177,17 @@ class Bench:
             self.env |= S3_ENV | {"EMBER_S3_ENDPOINT_URL": s3_url}
         self.live: list[Replica] = []
         self.peak_rss_gib = 0.0
+        self.reserve = True
+        """Standby processes fault in memory for the weights ahead, as the pools
+        controller starts them (``EMBER_STANDBY_RESERVE_MAX_BYTES``)."""
 
-    def spawn(self, spec: dict[str, Any] | None) -> Replica:
+    def spawn(self, spec: dict[str, Any] | None, reserve_bytes: int = 0) -> Replica:
         port = free_port()
         cmd = [EMBER, "engine", "--port", str(port)]
         if spec is None:
             cmd.append("--standby")
+            if reserve_bytes:
+                cmd += ["--reserve-bytes", str(reserve_bytes)]
         else:
             spec_file = self.work / f"spec-{port}.json"
             spec_file.write_text(json.dumps(spec))
@@ -326,11 +334,18 @@ def hot_and_warm(replica: Replica, model: Model) -> tuple[list[Sample], list[Sam
 
 
 def standby(bench: Bench, model: Model, drop: bool) -> Sample:
-    replica = bench.spawn(None)
+    cached = bench.cache_file(model)
+    huge = 2 * 1024 * 1024  # what the controller asks for: the artifact, in huge pages
+    reserve = -(-cached.stat().st_size // huge) * huge if bench.reserve else 0
+    replica = bench.spawn(None, reserve)
     try:
         replica.wait_listening()
         replica.client.get("/healthz").raise_for_status()
-        cached = bench.cache_file(model)
+        deadline = time.monotonic() + 120
+        while reserve and not replica.client.get("/info").json()["reserve"]["ready"]:
+            if time.monotonic() > deadline:  # a standby process that waited this long has it
+                raise RuntimeError("the standby process never finished its reserve")
+            time.sleep(0.1)
         resident = make_cold(cached) if drop else make_resident(cached)
         t0 = time.perf_counter()
         r = replica.client.post("/assign", json=model.spec)
@@ -482,15 +497,18 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--s3", action=argparse.BooleanOptionalAction, default=True,
                     help="also cold-start minilm from s3:// (a local moto server)")  # fmt: skip
+    ap.add_argument("--standby-reserve", action=argparse.BooleanOptionalAction, default=True,
+                    help="standby processes fault in the weights' memory ahead, as the "
+                         "controller starts them")  # fmt: skip
     args = ap.parse_args()
     began, load_before = time.perf_counter(), os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="ember-bench-coldstart-"))
     try:
         if args.s3:
             with moto_server() as url:
-                results, disk, size, peak_rss = measure(work, args.runs, url)
+                results, disk, size, peak_rss = measure(work, args.runs, url, args.standby_reserve)
         else:
-            results, disk, size, peak_rss = measure(work, args.runs, None)
+            results, disk, size, peak_rss = measure(work, args.runs, None, args.standby_reserve)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print_table(results)
@@ -499,6 +517,7 @@ def main() -> None:
     kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / GIB
     out |= {
         "runs": args.runs,
+        "standby_reserve": args.standby_reserve,
         "cpus": os.cpu_count(),
         "loadavg_before": round(load_before[0], 2),
         "loadavg_after": round(os.getloadavg()[0], 2),
@@ -518,9 +537,10 @@ def main() -> None:
 
 
 def measure(
-    work: Path, runs: int, s3_url: str | None
+    work: Path, runs: int, s3_url: str | None, reserve: bool = True
 ) -> tuple[dict[str, dict[str, list[Sample]]], list[list[float]], int, float]:
     began, bench = time.perf_counter(), Bench(work, s3_url)
+    bench.reserve = reserve
     try:
         print("# building the artifacts ...", file=sys.stderr)
         models = [build_minilm(bench.data / "objects"), build_mlp(bench.data / "objects")]

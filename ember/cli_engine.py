@@ -48,6 +48,9 @@ def engine(
     max_input_size: Annotated[int, typer.Option(help="Tokens/elements per instance.")] = 8192,
     max_batch_units: Annotated[int, typer.Option(help="Input size per batch.")] = 65536,
     threads: Annotated[int | None, typer.Option(help="Override the cgroup CPU quota.")] = None,
+    reserve_bytes: Annotated[
+        int, typer.Option(min=0, help="Standby on CPU: host memory to fault in for the weights.")
+    ] = 0,
 ) -> None:
     """Run one replica of one model version (or a standby process) on HOST:PORT."""
     from ember.engine.threads import apply_thread_limits, cpu_budget
@@ -80,6 +83,7 @@ def engine(
             "max_input_size": max_input_size,
             "max_batch_units": max_batch_units,
         },
+        reserve_bytes,
     )
 
 
@@ -92,6 +96,7 @@ def _serve_replica(
     replica_id: str | None,
     budget: CpuBudget,
     policy: dict[str, Any],
+    reserve_bytes: int = 0,
 ) -> None:
     import uvicorn
 
@@ -114,6 +119,10 @@ def _serve_replica(
     # 1.7 s load of 2.4 GB).
     gc.collect()
     gc.freeze()
+    if spec is None and reserve_bytes and device == "cpu":
+        from ember.loader.pagecache import RESERVE
+
+        RESERVE.fill(reserve_bytes)  # the weights' memory, faulted in while nothing waits
     replica = Replica(settings, BatchPolicy(**policy), device, replica_id)
     if spec is not None:
         bind_process(model=spec.model, version=spec.version)

@@ -93,6 +93,12 @@ class Settings(BaseSettings):
     """The pool grows from the floor with the starts it has served: one more than the most
     asked for within one process start time (learned), as ``ember simulate`` sizes it,
     never beyond this. At or below the floor: a fixed pool."""
+    standby_reserve_max_bytes: int = Field(2 * 1024**3, ge=0)
+    """Local standby processes fault in host memory ahead for the weights they may be
+    given: as much as the largest version a deployment serves (whose replicas a standby
+    process can become), at most this; 0 turns it off. A load's first touch of fresh
+    memory is otherwise part of the cold start (slow where a virtual machine hands freed
+    memory back to its host). The memory is held while the process waits."""
     probe_idle_s: float = Field(5.0, gt=0)
     """Probe a ready replica's ``/healthz`` when it answered nothing for this long."""
     probe_timeout_s: float = Field(2.0, gt=0)

@@ -115,6 +115,7 @@ def start_pools(settings: Settings, engine: Engine) -> Gateway:
             "warm_keep_s": settings.scale_warm_keep_s,
         },
         fill_warm=settings.scale_fill_warm,
+        standby_reserve_max=settings.standby_reserve_max_bytes,
     )
     if not backend.replicas_outlive_controller:  # local processes share this host's RAM
         from ember.pools.warmtier import SharedWarmTier

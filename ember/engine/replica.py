@@ -13,6 +13,7 @@ from ember.engine.metrics import EngineMetrics
 from ember.engine.scheduler import Scheduler
 from ember.engine.spec import BatchPolicy, Priority, Tier, VersionSpec
 from ember.errors import Conflict, EmberError, NotReady
+from ember.loader.pagecache import RESERVE
 from ember.logs import bind_process, get_logger
 
 log = get_logger(__name__)
@@ -70,9 +71,12 @@ class Replica:
         log.info("replica ready", tier=self.tier.value, load_s=round(self.load_seconds, 3))
 
     def _build(self, spec: VersionSpec) -> Engine:
-        engine = engine_class(spec.engine)(spec, self.settings, self.device)
-        engine.load()
-        return engine
+        try:
+            engine = engine_class(spec.engine)(spec, self.settings, self.device)
+            engine.load()
+            return engine
+        finally:
+            RESERVE.release()  # what the load did not take (weights mapped, or none read)
 
     async def set_tier(self, tier: Tier) -> None:
         engine = self._require_engine()
@@ -138,6 +142,7 @@ class Replica:
             "queued": self.scheduler.queued if self.scheduler else 0,
             "inflight_units": self.scheduler.inflight_units if self.scheduler else 0.0,
             "policy": self.policy.model_dump(),
+            "reserve": {"bytes": RESERVE.nbytes, "ready": RESERVE.ready},
         }
 
     async def close(self) -> None:

@@ -44,6 +44,7 @@ from ember.loader.pagecache import (
     DIRECT_ALIGN,
     MINCORE_BIT0,
     PAGE,
+    RESERVE,
     cached_pages,
     host_buffer,
     open_direct,
@@ -253,8 +254,11 @@ def map_resident(header: Header, path: Path) -> Destinations | None:
 def _aligned_host_buffer(nbytes: int) -> torch.Tensor:
     import torch
 
-    # 2 MiB aligned, huge pages asked for; each chunk is faulted in by its reader.
-    return torch.frombuffer(host_buffer(max(nbytes, PAGE)), dtype=torch.uint8)[:nbytes]
+    # 2 MiB aligned, huge pages asked for; each chunk is faulted in by its reader, unless
+    # a standby process faulted this memory in ahead (``pagecache.RESERVE``).
+    size = max(nbytes, PAGE)
+    view = RESERVE.take(size) or host_buffer(size)
+    return torch.frombuffer(view, dtype=torch.uint8)[:nbytes]
 
 
 def into(header: Header, targets: Mapping[str, torch.Tensor]) -> Destinations:

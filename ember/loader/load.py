@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from ember.config import Settings
 from ember.errors import ArtifactError
 from ember.loader.cache import CacheKey, FillResult, Pin, WeightCache
-from ember.loader.pagecache import PinnedFile, fully_resident
+from ember.loader.pagecache import RESERVE, PinnedFile, fully_resident
 from ember.loader.report import CacheOutcome, LoadReport
 from ember.loader.safetensors import PREFIX_BYTES, Header, parse_header, read_header_len
 from ember.loader.stores import open_store
@@ -308,6 +308,8 @@ def _map_if_resident(header: Header, path: Path) -> Destinations | None:
     if not fully_resident(path):
         return None
     dest = dev.map_resident(header, path)
+    if dest is not None:
+        RESERVE.release()  # a standby process's memory for the weights: not needed now
     if dest is not None and dest.mapping is not None:
         hold = _Hold(path)
         weakref.finalize(dest.mapping, hold.close)

@@ -132,6 +132,8 @@ class DeploymentView:
     pinned: list[str] = field(default_factory=list)
     """Versions that running batch runs were pinned to: served (one hot replica each)
     until those runs end, even after a promote moved the traffic elsewhere."""
+    sizes: dict[str, int] = field(default_factory=dict)
+    """Artifact bytes per version (where known)."""
 
     def cost(self, version: str) -> CostModel:
         return CostModel.from_dict(self.specs.get(version, {}).get("cost"))
@@ -163,8 +165,11 @@ class PoolsController:
         leader: LeaseElection | None = None,
         autoscale: dict[str, float] | None = None,
         fill_warm: bool = False,
+        standby_reserve_max: int = 0,
     ) -> None:
         self.db = db
+        self.standby_reserve_max = standby_reserve_max
+        """Host memory a standby process faults in ahead, at most (``_standby_reserve``)."""
         self.backend = backend
         self.leader = leader
         self.leading = leader is None
@@ -418,17 +423,17 @@ class PoolsController:
                     continue
                 pinned = pins.get((d.tenant_id, d.name), set())
                 wanted = {v for v, w in d.traffic.items() if w > 0} | set(d.fallback) | pinned
-                rows = session.exec(
-                    select(ModelVersion).where(
-                        ModelVersion.model_id == model.id,
-                        col(ModelVersion.version).in_(wanted),
+                rows = [
+                    r
+                    for r in session.exec(
+                        select(ModelVersion).where(
+                            ModelVersion.model_id == model.id,
+                            col(ModelVersion.version).in_(wanted),
+                        )
                     )
-                )
-                specs = {
-                    r.version: catalog.version_spec(model, r, self.hardware)
-                    for r in rows
                     if r.status is VersionStatus.ready
-                }
+                ]
+                specs = {r.version: catalog.version_spec(model, r, self.hardware) for r in rows}
                 views[(d.tenant_id, d.name)] = DeploymentView(
                     d.tenant_id,
                     d.name,
@@ -438,6 +443,7 @@ class PoolsController:
                     specs,
                     list(d.fallback),
                     sorted(pinned),
+                    {r.version: r.size_bytes for r in rows if r.size_bytes},
                 )
         return views
 
@@ -827,11 +833,27 @@ class PoolsController:
 
     def _keep_standby(self) -> None:
         spares = [r for r in self.replicas.values() if not r.key[1]]
-        for _ in range(self.standby_pool - len(spares)):
-            handle = self.backend.launch(None, LaunchOptions())
+        missing = self.standby_pool - len(spares)
+        options = LaunchOptions(reserve_bytes=self._standby_reserve()) if missing > 0 else None
+        for _ in range(missing):
+            assert options is not None
+            handle = self.backend.launch(None, options)
             replica = ManagedReplica(handle, (0, ""), "", "", tier="standby")
             self.replicas[handle.replica_id] = replica
             self._event("starting", replica, standby=True, pid=handle.pid)
+
+    def _standby_reserve(self) -> int:
+        """The memory a new standby process faults in for the weights it may be given: the
+        largest version served that a standby process can become and that fits in
+        ``standby_reserve_max``, rounded up to whole huge pages; 0 for none."""
+        huge = 2 * 1024 * 1024
+        sizes = [
+            -(-size // huge) * huge
+            for view in self.deployments.values()
+            for version, size in view.sizes.items()
+            if version in view.specs and self.backend.standby_can_run(view.specs[version])
+        ]
+        return max((n for n in sizes if n <= self.standby_reserve_max), default=0)
 
     async def _retire(self) -> None:
         """Stop replicas whose deployment or version no longer serves — but only once every

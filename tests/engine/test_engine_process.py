@@ -152,6 +152,21 @@ def test_standby_process_is_assigned_a_version(
     assert again.status_code == 409
 
 
+def test_a_standby_process_reserves_memory_for_the_weights_and_a_load_takes_it(
+    start_engine: StartEngine, mlp_spec: dict[str, Any]
+) -> None:
+    engine = start_engine(None, "--reserve-bytes", str(8 * 1024 * 1024))
+    deadline = time.monotonic() + 30
+    while not (info := httpx.get(f"{engine.url}/info").json())["reserve"]["ready"]:
+        assert time.monotonic() < deadline, info
+        time.sleep(0.05)
+    assert info["reserve"]["bytes"] == 8 * 1024 * 1024
+    assigned = httpx.post(f"{engine.url}/assign", json=mlp_spec, timeout=60)
+    assert assigned.status_code == 200, assigned.text
+    assert assigned.json()["reserve"] == {"bytes": 0, "ready": False}  # taken or given back
+    assert infer(engine.url).status_code == 200
+
+
 def test_every_log_line_carries_model_version_and_replica(
     start_engine: StartEngine, mlp_spec: dict[str, Any]
 ) -> None:

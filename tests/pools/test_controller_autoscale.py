@@ -27,10 +27,12 @@ COST = CostModel(alpha=0.0, beta=0.0, gamma=1.0, capacity_units_per_s=8.0)
 class FakeBackend(ReplicaBackend):
     def __init__(self) -> None:
         self.launched: list[dict[str, Any] | None] = []
+        self.options: list[LaunchOptions] = []
         self._ids = itertools.count(1)
 
     def launch(self, spec: dict[str, Any] | None, options: LaunchOptions) -> ReplicaHandle:
         self.launched.append(spec)
+        self.options.append(options)
         n = next(self._ids)
         return ReplicaHandle(f"r{n}", f"http://replica-{n}")
 
@@ -193,3 +195,26 @@ def test_the_standby_pool_grows_with_the_starts_it_serves_as_the_simulator_sizes
         for _ in range(5):
             fixed._standby_asked()
         assert fixed.standby_pool == floor
+
+
+def test_standby_processes_reserve_memory_for_the_largest_version_that_fits() -> None:
+    class NoVllm(FakeBackend):
+        def standby_can_run(self, spec: dict[str, Any]) -> bool:
+            return spec.get("engine") != "vllm"
+
+    backend = NoVllm()
+    ctl = PoolsController(None, backend, standby_pool=1, standby_reserve_max=1 << 30)  # type: ignore[arg-type]
+    ctl._keep_standby()
+    assert backend.options[-1].reserve_bytes == 0  # nothing deployed yet
+    small, large, llm = view(), view(), view()
+    small.sizes = {"1": 90_000_000}
+    large.sizes = {"1": 3 << 30}  # beyond the cap: it would hold 3 GiB per spare
+    llm.specs = {"1": {"engine": "vllm"}}
+    llm.sizes = {"1": 500_000_000}  # a standby process cannot become its replica
+    gone = view()
+    gone.sizes = {"1": 95_000_000, "2": 700_000_000}  # "2" no longer served (no spec)
+    ctl.deployments = {(1, "a"): small, (1, "b"): large, (1, "c"): llm, (1, "d"): gone}
+    ctl.replicas.clear()
+    ctl._keep_standby()
+    huge = 2 * 1024 * 1024
+    assert backend.options[-1].reserve_bytes == -(-95_000_000 // huge) * huge

@@ -34,6 +34,9 @@ class LaunchOptions:
     """The Ember deployment the replica serves (cluster backends label and group by it)."""
     placement: Placement | None = None
     """The deployment's placement policy (GPU type, resources); the local backend ignores it."""
+    reserve_bytes: int = 0
+    """A standby process: host memory to fault in ahead for the weights it may be given
+    (``HostReserve``); the local backend passes it, others ignore it."""
 
 
 @dataclass

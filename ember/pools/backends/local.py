@@ -49,6 +49,8 @@ class LocalProcessBackend(ReplicaBackend):
                "--max-queue", str(options.max_queue)]  # fmt: skip
         if spec is None:
             cmd.append("--standby")
+            if options.reserve_bytes > 0:
+                cmd += ["--reserve-bytes", str(options.reserve_bytes)]
         else:
             spec_file = self.dir / f"{replica_id}.spec.json"
             spec_file.write_text(json.dumps(spec))
