@@ -113,6 +113,10 @@ def count_rows(data: bytes, fmt: str, uri: str) -> int:
             return int(pq.ParquetFile(io.BytesIO(data)).metadata.num_rows)
         except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ...
             raise InvalidInput(f"{uri} is not a readable Parquet file: {exc}"[:500]) from exc
+    if fmt == "jsonl":  # line offsets by numpy: ~20x faster than splitting the text
+        lines = jsonl_lines(data)
+        if lines is not None:
+            return len(lines)
     return len(parse_rows(data, fmt, uri, 0, 0))
 
 

@@ -111,6 +111,14 @@ def test_jsonl_columnar_is_the_row_path(name: str) -> None:
         same(fast, row_path(data, "jsonl", start, end, keys, schema))
 
 
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_rows_are_counted_as_the_row_path_numbers_them(name: str) -> None:
+    data = CASES[name][0]
+    assert datasets.count_rows(data, "jsonl", "u") == len(
+        datasets.parse_rows(data, "jsonl", "u", 0, 0)
+    )
+
+
 def test_the_clean_case_is_columnar() -> None:
     data, keys, schema = CASES["clean"]
     assert datasets._jsonl_table(data, 5, 25, None) is not None
