@@ -98,7 +98,8 @@ class Settings(BaseSettings):
     given: as much as the largest version a deployment serves (whose replicas a standby
     process can become), at most this; 0 turns it off. A load's first touch of fresh
     memory is otherwise part of the cold start (slow where a virtual machine hands freed
-    memory back to its host). The memory is held while the process waits."""
+    memory back to its host). The memory is held while the process waits; a process
+    reserves nothing when it would take more than half of the memory available."""
     probe_idle_s: float = Field(5.0, gt=0)
     """Probe a ready replica's ``/healthz`` when it answered nothing for this long."""
     probe_timeout_s: float = Field(2.0, gt=0)

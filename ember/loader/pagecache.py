@@ -110,9 +110,12 @@ class HostReserve:
             return self._buf is not None
 
     def fill(self, nbytes: int) -> None:
-        """Fault ``nbytes`` of huge-page-backed memory in, on a thread."""
+        """Fault ``nbytes`` of huge-page-backed memory in, on a thread; nothing when that
+        is more than half of the memory the system has available (a reserve must never
+        be what gets a host's processes OOM-killed)."""
         self.release()
-        if nbytes <= 0:
+        available = available_bytes()
+        if nbytes <= 0 or (available is not None and nbytes > available // 2):
             return
 
         def run() -> None:
@@ -155,6 +158,18 @@ class HostReserve:
         """Give the reserve back (a fill still running finishes and is dropped)."""
         with self._lock:
             self._buf, self._want, self._filling = None, 0, None
+
+
+def available_bytes() -> int | None:
+    """``MemAvailable`` from ``/proc/meminfo`` (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 RESERVE = HostReserve()

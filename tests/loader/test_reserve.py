@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from ember.config import Settings
+from ember.loader import pagecache
 from ember.loader.load import load_file
 from ember.loader.pagecache import HUGE_PAGE, RESERVE, HostReserve
 from tests.loader.conftest import assert_same
@@ -57,6 +58,14 @@ def test_a_load_larger_than_the_reserve_drops_it() -> None:
     reserve = filled(HostReserve(), 4 * MIB)
     assert reserve.take(4 * MIB + 1) is None
     assert reserve.nbytes == 0 and not reserve.ready
+
+
+def test_a_reserve_beyond_half_the_available_memory_is_not_taken() -> None:
+    available = pagecache.available_bytes()
+    assert available is not None and available > 0
+    reserve = HostReserve()
+    reserve.fill(available)  # would leave the host too little: no reserve at all
+    assert reserve.nbytes == 0 and not reserve.ready and reserve.take(MIB) is None
 
 
 def test_release_drops_a_fill_still_running() -> None:
