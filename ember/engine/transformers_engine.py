@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ember.config import Settings
+from ember.engine import packed
 from ember.engine.base import Sized, register_engine
 from ember.engine.sidecars import fetch_sidecars
 from ember.engine.spec import Tier, VersionSpec
@@ -52,6 +53,7 @@ class TransformersEngine(ModuleEngine):
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.files))
         self.encoders = self._encoders()
+        self.padding_free = False
 
     def load(self) -> None:
         from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
@@ -67,11 +69,35 @@ class TransformersEngine(ModuleEngine):
             prefix,
         )
         self.adopt(module, loaded)
+        self.padding_free = self._padding_free(module)
         log.info(
             "weights loaded",
             seconds=round(loaded.report.seconds, 3),
             cache=str(loaded.report.cache),
+            padding_free=self.padding_free,
         )
+
+    def _padding_free(self, module: Any) -> bool:
+        """The padding-free forward (``ember.engine.packed``) where it applies: embeddings
+        of a BERT encoder, right padding, a ``tokenizers`` backend — and where it agrees
+        with the padded forward on two sentences of different lengths."""
+        if self.task != "embedding" or self.encoders is None:
+            return False
+        if self.tokenizer.padding_side != "right" or not packed.fits(module):
+            return False
+        truncating = self.encoders[1]
+        sample = [truncating.encode(t) for t in ("a b c", "the quick brown fox jumps over it")]
+        try:
+            got = packed.pooled(module, sample, self.device)
+            want = self._padded_embeddings(sample)
+            gap = float((got - want).abs().max())
+        except Exception as exc:  # a structure fit() did not foresee
+            log.warning("padding-free forward failed its check; padded", error=str(exc)[:300])
+            return False
+        if not gap <= packed.AGREE_ATOL:
+            log.warning("padding-free forward disagrees with the padded one; padded", gap=gap)
+            return False
+        return True
 
     def _encoders(self) -> tuple[Tokenizer, Tokenizer] | None:
         """Two private copies of the tokenizer's backend (their truncation settings are
@@ -120,6 +146,15 @@ class TransformersEngine(ModuleEngine):
     def forward(self, batch: Sequence[Any]) -> list[Any]:
         if self.module is None or self.tier is not Tier.hot:
             raise InvalidInput(f"replica is {self.tier.value}, not hot")
+        if self.padding_free:  # only with encoders: the batch is encodings
+            return list(packed.pooled(self.module, batch, self.device).cpu().tolist())
+        if self.task == "embedding":
+            return list(self._padded_embeddings(batch).cpu().tolist())
+        return self._classify(self._padded(batch))
+
+    def _padded(self, batch: Sequence[Any]) -> Any:
+        """The module's output for the batch padded to its longest instance."""
+        assert self.module is not None
         if self.encoders is None:
             tensors = self.tokenizer(
                 list(batch),
@@ -132,12 +167,18 @@ class TransformersEngine(ModuleEngine):
             tensors = self._pad(batch)
         enc = {k: v.to(self.device) for k, v in tensors.items()}
         with torch.inference_mode():
-            out = self.module(**enc)
-        if self.task == "embedding":
-            mask = enc["attention_mask"].unsqueeze(-1).to(out.last_hidden_state.dtype)
-            summed = (out.last_hidden_state * mask).sum(dim=1)
-            pooled = summed / mask.sum(dim=1).clamp(min=1e-9)
-            return list(torch.nn.functional.normalize(pooled, p=2, dim=1).cpu().tolist())
+            return self.module(**enc), enc["attention_mask"]
+
+    def _padded_embeddings(self, batch: Sequence[Any]) -> torch.Tensor:
+        out, attention = self._padded(batch)
+        mask = attention.unsqueeze(-1).to(out.last_hidden_state.dtype)
+        summed = (out.last_hidden_state * mask).sum(dim=1)
+        pooled = summed / mask.sum(dim=1).clamp(min=1e-9)
+        return torch.nn.functional.normalize(pooled, p=2, dim=1)
+
+    def _classify(self, padded: Any) -> list[Any]:
+        assert self.module is not None
+        out = padded[0]
         probs = out.logits.softmax(dim=-1).cpu()
         labels = self.module.config.id2label
         return [
