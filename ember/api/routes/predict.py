@@ -155,7 +155,8 @@ async def lean_predict(scope: Scope, match: re.Match[str], raw: bytes) -> Answer
         return await tensor_predict(
             scope, gateway, name, version, raw, ctype, authorization, tenant, session_key
         )
-    principal = cached_principal(scope["app"].state.principals, authorization, tenant)
+    state = scope["app"].state
+    principal = cached_principal(state.principals, authorization, tenant, state.engine)
     if principal is None or (session_key is not None and len(session_key) > SESSION_MAX):
         return None
     try:
@@ -202,7 +203,7 @@ async def tensor_predict(
     if session_key is not None and len(session_key) > SESSION_MAX:
         raise InvalidInput(f"X-Ember-Session is longer than {SESSION_MAX} characters")
     state = scope["app"].state
-    principal = cached_principal(state.principals, authorization, tenant)
+    principal = cached_principal(state.principals, authorization, tenant, state.engine)
     if principal is None:  # what PrincipalDep does: authenticate, cache, or refuse
         scheme, key = get_authorization_scheme_param(authorization)
         bearer = scheme.lower() == "bearer" and key
