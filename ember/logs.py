@@ -14,9 +14,8 @@ from __future__ import annotations
 import contextvars
 import logging
 import sys
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from concurrent.futures import Executor, Future
-from contextlib import contextmanager
 from typing import Any, Literal, TypeVar
 
 import structlog
@@ -93,18 +92,35 @@ def get_logger(name: str | None = None) -> structlog.stdlib.BoundLogger:
     return logger
 
 
-@contextmanager
-def model_context(model: str, version: str, **ids: Any) -> Iterator[None]:
+class _Bound:
+    """Binds ids to the log context for a ``with`` block; on exit each is back to what
+    it was (unset if it was). Tokens instead of structlog's ``bound_contextvars``, which
+    reads the whole context and is a generator: this one runs on every request."""
+
+    __slots__ = ("ids", "tokens")
+
+    def __init__(self, ids: dict[str, Any]) -> None:
+        self.ids = ids
+        self.tokens: Mapping[str, Any] = {}
+
+    def __enter__(self) -> None:
+        self.tokens = structlog.contextvars.bind_contextvars(**self.ids)
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            structlog.contextvars.reset_contextvars(**self.tokens)
+        except ValueError:  # left in another context than entered: drop the ids there
+            structlog.contextvars.unbind_contextvars(*self.ids)
+
+
+def model_context(model: str, version: str, **ids: Any) -> _Bound:
     """Bind ``model`` and ``version`` (plus ids such as ``request_id``) to every log line."""
-    with structlog.contextvars.bound_contextvars(model=model, version=version, **ids):
-        yield
+    return _Bound({"model": model, "version": version, **ids})
 
 
-@contextmanager
-def bound(**ids: Any) -> Iterator[None]:
+def bound(**ids: Any) -> _Bound:
     """Bind ids (request_id, job_id, tenant) outside a model context."""
-    with structlog.contextvars.bound_contextvars(**ids):
-        yield
+    return _Bound(ids)
 
 
 def submit_in_context(

@@ -135,8 +135,16 @@ class DeploymentView:
     sizes: dict[str, int] = field(default_factory=dict)
     """Artifact bytes per version (where known)."""
 
+    _costs: dict[str, CostModel] = field(default_factory=dict, init=False, repr=False,
+                                         compare=False)  # fmt: skip
+
     def cost(self, version: str) -> CostModel:
-        return CostModel.from_dict(self.specs.get(version, {}).get("cost"))
+        """The version's cost model (made once per view: the gateway asks per request)."""
+        model = self._costs.get(version)
+        if model is None:
+            model = CostModel.from_dict(self.specs.get(version, {}).get("cost"))
+            self._costs[version] = model
+        return model
 
     @property
     def production(self) -> str | None:
