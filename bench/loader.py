@@ -206,6 +206,11 @@ def tensorizer_loader(tpath: Path) -> Loader:
     return run
 
 
+OWN_FILES: dict[str, Path] = {}
+"""Loaders that read their own file (tensorizer's format) instead of the artifact: that
+file is made cold or warm before their runs, as the artifact is for the others."""
+
+
 def available_peers(work: Path, artifact: Path) -> dict[str, Loader]:
     peers: dict[str, Loader] = {"safetensors": safetensors_loader}
     try:
@@ -230,6 +235,7 @@ def available_peers(work: Path, artifact: Path) -> dict[str, Loader]:
             ser.write_state_dict(st_load(str(artifact)))
             ser.close()
         peers["tensorizer"] = tensorizer_loader(tpath)
+        OWN_FILES["tensorizer"] = tpath
     except ImportError:
         print("# tensorizer not installed: skipped", file=sys.stderr)
     return peers
@@ -309,7 +315,7 @@ def main() -> None:
         for temp in ("cold", "warm"):
             for name, fn in loaders.items():
                 for mode in modes:
-                    (make_cold if temp == "cold" else make_warm)(artifact)
+                    (make_cold if temp == "cold" else make_warm)(OWN_FILES.get(name, artifact))
                     target = dest if mode == "to-device" else None
 
                     def once(fn: Loader = fn, target: Any = target) -> None:
