@@ -84,11 +84,20 @@ def test_cold_file_is_read_direct_and_a_warm_one_through_the_cache(tmp_path: Pat
     cold = _place(path, None)
     _same(cold, ref)
     assert cold.bytes_direct >= path.stat().st_size - 2 * MiB  # the header chunk may be cached
-    path.read_bytes()
-    assert pagecache.resident_fraction(path) == 1.0
-    warm = _place(path, None)
-    _same(warm, ref)
-    assert warm.bytes_direct == 0
+    # Warm: every chunk through the cache. A page read once is the first the kernel
+    # reclaims when the other test worker needs memory (seen once under `make test`: one
+    # chunk direct): up to three tries, each after reading the file again; a residency
+    # check that is wrong fails all three.
+    direct = []
+    for _ in range(3):
+        path.read_bytes()
+        assert pagecache.resident_fraction(path) == 1.0
+        warm = _place(path, None)
+        _same(warm, ref)
+        direct.append(warm.bytes_direct)
+        if warm.bytes_direct == 0:
+            break
+    assert direct[-1] == 0, direct
 
 
 @pytest.mark.parametrize("into", [False, True])
