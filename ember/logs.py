@@ -57,7 +57,13 @@ def configure_logging(
         else structlog.dev.ConsoleRenderer(colors=stream.isatty())
     )
     structlog.configure(
-        processors=[*_SHARED, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        # Below-level events are dropped first, before the context merge and the
+        # timestamp: a debug line the level filters out cost ~the same as a written one.
+        processors=[
+            structlog.stdlib.filter_by_level,
+            *_SHARED,
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+        ],
         logger_factory=structlog.stdlib.LoggerFactory(),
         wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=False,
