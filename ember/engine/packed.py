@@ -1,5 +1,5 @@
-"""A padding-free forward pass for BERT-family encoders (the ``transformers`` engine's
-embedding task).
+"""A padding-free forward pass for BERT encoders (the ``transformers`` engine's embedding
+and classification tasks).
 
 A dynamic batch of sentences padded to its longest one spends most of its compute on
 padding: every position runs through every linear layer, padded or not. Measured on the
@@ -60,15 +60,48 @@ def fits(model: Any) -> bool:
     return True
 
 
-def pooled(model: Any, encodings: Sequence[Any], device: str) -> torch.Tensor:
-    """Mean-pooled, L2-normalised vectors ``(len(encodings), hidden)`` for ``tokenizers``
-    encodings (``ids``, ``type_ids``), as the padded forward computes them with an
-    attention mask."""
+def fits_classifier(model: Any) -> bool:
+    """Whether ``model`` is a ``BertForSequenceClassification`` whose encoder ``fits``:
+    its answer is the classifier over the pooled first ([CLS]) token."""
+    if type(model).__name__ != "BertForSequenceClassification":
+        return False
+    bert = getattr(model, "bert", None)
+    pooler = getattr(bert, "pooler", None)
+    if pooler is None or not all(hasattr(pooler, n) for n in ("dense", "activation")):
+        return False
+    return fits(bert) and all(hasattr(model, n) for n in ("dropout", "classifier"))
+
+
+Packed = tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]
+
+
+def _packed(encodings: Sequence[Any]) -> Packed:
+    """Token ids, type ids (back to back) and each encoding's length."""
     lengths = np.fromiter((len(e.ids) for e in encodings), np.int64, len(encodings))
     total = int(lengths.sum())
     ids = np.fromiter((t for e in encodings for t in e.ids), np.int64, total)
     types = np.fromiter((t for e in encodings for t in e.type_ids), np.int64, total)
+    return ids, types, lengths
+
+
+def pooled(model: Any, encodings: Sequence[Any], device: str) -> torch.Tensor:
+    """Mean-pooled, L2-normalised vectors ``(len(encodings), hidden)`` for ``tokenizers``
+    encodings (``ids``, ``type_ids``), as the padded forward computes them with an
+    attention mask."""
+    ids, types, lengths = _packed(encodings)
     return forward(model, ids, types, lengths, device)
+
+
+def logits(model: Any, encodings: Sequence[Any], device: str) -> torch.Tensor:
+    """A ``BertForSequenceClassification``'s logits ``(len(encodings), labels)``."""
+    ids, types, lengths = _packed(encodings)
+    with torch.inference_mode():
+        hidden = encode(model.bert, ids, types, lengths, device)
+        first = torch.from_numpy(np.cumsum(lengths) - lengths).to(device)
+        pooler = model.bert.pooler
+        pooled = pooler.activation(pooler.dense(hidden[first]))
+        out: torch.Tensor = model.classifier(model.dropout(pooled))
+        return out
 
 
 @torch.inference_mode()
@@ -78,6 +111,21 @@ def forward(
 ) -> torch.Tensor:  # fmt: skip
     """``pooled`` for a packed batch: token ids and type ids back to back, ``lengths``
     tokens each."""
+    h = encode(model, ids, types, lengths, device)
+    rows = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+    index = torch.from_numpy(rows).to(device)
+    sums = h.new_zeros(len(lengths), h.shape[1]).index_add_(0, index, h)
+    counts = torch.from_numpy(lengths).to(device=device, dtype=h.dtype)
+    return F.normalize(sums / counts[:, None].clamp(min=1e-9), p=2, dim=1)
+
+
+@torch.inference_mode()
+def encode(
+    model: Any, ids: np.ndarray[Any, Any], types: np.ndarray[Any, Any],
+    lengths: np.ndarray[Any, Any], device: str,
+) -> torch.Tensor:  # fmt: skip
+    """The encoder's last hidden states of a packed batch, ``(tokens, hidden)``: what the
+    padded forward gives at the real positions."""
     batch, width, total = len(lengths), int(lengths.max()), int(lengths.sum())
     starts = np.cumsum(lengths) - lengths
     positions = np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
@@ -113,7 +161,5 @@ def forward(
         h = out.LayerNorm(out.dense(context) + h)
         hidden = layer.intermediate.intermediate_act_fn(layer.intermediate.dense(h))
         h = layer.output.LayerNorm(layer.output.dense(hidden) + h)
-    index = torch.from_numpy(rows).to(device)
-    sums = h.new_zeros(batch, h.shape[1]).index_add_(0, index, h)
-    counts = torch.from_numpy(lengths).to(device=device, dtype=h.dtype)
-    return F.normalize(sums / counts[:, None].clamp(min=1e-9), p=2, dim=1)
+    result: torch.Tensor = h
+    return result

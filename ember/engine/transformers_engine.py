@@ -78,26 +78,40 @@ class TransformersEngine(ModuleEngine):
         )
 
     def _padding_free(self, module: Any) -> bool:
-        """The padding-free forward (``ember.engine.packed``) where it applies: embeddings
-        of a BERT encoder, right padding, a ``tokenizers`` backend — and where it agrees
-        with the padded forward on two sentences of different lengths."""
-        if self.task != "embedding" or self.encoders is None:
+        """The padding-free forward (``ember.engine.packed``) where it applies: a BERT
+        encoder (embeddings) or BERT sequence classifier, right padding, a ``tokenizers``
+        backend — and where it agrees with the padded forward on two sentences of
+        different lengths."""
+        if self.encoders is None or self.tokenizer.padding_side != "right":
             return False
-        if self.tokenizer.padding_side != "right" or not packed.fits(module):
+        fits = packed.fits if self.task == "embedding" else packed.fits_classifier
+        if not fits(module):
             return False
         truncating = self.encoders[1]
         sample = [truncating.encode(t) for t in ("a b c", "the quick brown fox jumps over it")]
         try:
-            got = packed.pooled(module, sample, self.device)
-            want = self._padded_embeddings(sample)
+            got, want = self._packed_answer(module, sample), self._padded_answer(sample)
             gap = float((got - want).abs().max())
-        except Exception as exc:  # a structure fit() did not foresee
+        except Exception as exc:  # a structure fits() did not foresee
             log.warning("padding-free forward failed its check; padded", error=str(exc)[:300])
             return False
         if not gap <= packed.AGREE_ATOL:
             log.warning("padding-free forward disagrees with the padded one; padded", gap=gap)
             return False
         return True
+
+    def _packed_answer(self, module: Any, batch: Sequence[Any]) -> torch.Tensor:
+        """Embeddings or logits, padding-free."""
+        if self.task == "embedding":
+            return packed.pooled(module, batch, self.device)
+        return packed.logits(module, batch, self.device)
+
+    def _padded_answer(self, batch: Sequence[Any]) -> torch.Tensor:
+        """Embeddings or logits, padded."""
+        if self.task == "embedding":
+            return self._padded_embeddings(batch)
+        logits: torch.Tensor = self._padded(batch)[0].logits
+        return logits
 
     def _encoders(self) -> tuple[Tokenizer, Tokenizer] | None:
         """Two private copies of the tokenizer's backend (their truncation settings are
@@ -146,11 +160,14 @@ class TransformersEngine(ModuleEngine):
     def forward(self, batch: Sequence[Any]) -> list[Any]:
         if self.module is None or self.tier is not Tier.hot:
             raise InvalidInput(f"replica is {self.tier.value}, not hot")
-        if self.padding_free:  # only with encoders: the batch is encodings
-            return list(packed.pooled(self.module, batch, self.device).cpu().tolist())
+        answer = (
+            self._packed_answer(self.module, batch)  # only with encoders: batch = encodings
+            if self.padding_free
+            else self._padded_answer(batch)
+        )
         if self.task == "embedding":
-            return list(self._padded_embeddings(batch).cpu().tolist())
-        return self._classify(self._padded(batch))
+            return list(answer.cpu().tolist())
+        return self._classify(answer)
 
     def _padded(self, batch: Sequence[Any]) -> Any:
         """The module's output for the batch padded to its longest instance."""
@@ -176,10 +193,9 @@ class TransformersEngine(ModuleEngine):
         pooled = summed / mask.sum(dim=1).clamp(min=1e-9)
         return torch.nn.functional.normalize(pooled, p=2, dim=1)
 
-    def _classify(self, padded: Any) -> list[Any]:
+    def _classify(self, logits: torch.Tensor) -> list[Any]:
         assert self.module is not None
-        out = padded[0]
-        probs = out.logits.softmax(dim=-1).cpu()
+        probs = logits.softmax(dim=-1).cpu()
         labels = self.module.config.id2label
         return [
             {"label": labels[int(p.argmax())], "score": float(p.max()), "scores": p.tolist()}

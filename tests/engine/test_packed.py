@@ -78,3 +78,27 @@ def test_pooled_reads_tokenizers_encodings() -> None:
 )
 def test_declines_what_it_does_not_mirror(make: Any) -> None:
     assert not packed.fits(make())
+
+
+def test_classifier_logits_match_padded() -> None:
+    config = transformers.BertConfig(
+        vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=64, num_labels=3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(config).eval()
+    assert packed.fits_classifier(model) and not packed.fits_classifier(_bert())
+
+    class Encoding:
+        def __init__(self, ids: list[int]) -> None:
+            self.ids, self.type_ids = ids, [0] * len(ids)
+
+    rows = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]]
+    got = packed.logits(model, [Encoding(r) for r in rows], "cpu")
+    ids = torch.zeros(3, 6, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+    with torch.inference_mode():
+        want = model(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
