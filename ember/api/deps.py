@@ -136,11 +136,10 @@ async def get_principal(
         raise Unauthenticated("the API key is not valid (unknown or revoked)")
     cache: PrincipalCache = request.app.state.principals
     cache_key = (hash_key(credentials.credentials), x_ember_tenant)
-    engine = request.app.state.engine
-    principal = cache.get(cache_key, refresher(engine, credentials.credentials, x_ember_tenant))
+    refresh = refresher(request.app.state.engine, credentials.credentials, x_ember_tenant)
+    principal = cache.get(cache_key, refresh)
     if principal is None:
-        with Session(request.app.state.engine) as session:
-            principal = authenticate(session, credentials.credentials, x_ember_tenant)
+        principal = refresh()
         cache.put(cache_key, principal)
     return principal
 
@@ -149,7 +148,7 @@ PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
 
 def cached_principal(
-    cache: PrincipalCache, authorization: str | None, tenant: str | None, engine: Any = None
+    cache: PrincipalCache, authorization: str | None, tenant: str | None, engine: Any
 ) -> Principal | None:
     """The principal ``get_principal`` cached for these headers (read as ``HTTPBearer``
     reads them), or None: a lean lane leaves a miss to the dependency, which authenticates
@@ -157,8 +156,7 @@ def cached_principal(
     scheme, credentials = get_authorization_scheme_param(authorization)
     if scheme.lower() != "bearer" or not credentials or len(credentials) > 512:
         return None
-    refresh = refresher(engine, credentials, tenant) if engine is not None else None
-    return cache.get((hash_key(credentials), tenant), refresh)
+    return cache.get((hash_key(credentials), tenant), refresher(engine, credentials, tenant))
 
 
 Limit = Annotated[int, Query(ge=1, le=500, description="Page size.")]

@@ -22,7 +22,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import structlog
 from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
@@ -31,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ember.api import problems
 from ember.api.middleware import last_header, request_id_of
 from ember.errors import EmberError
+from ember.logs import bound
 
 
 @dataclass(slots=True)
@@ -112,9 +112,7 @@ class FastLane:
                 break
         request_id = request_id_of(scope)
         id_header = (b"x-request-id", request_id.encode())
-        # ember.logs.bound without the context manager's generator: this runs per request
-        tokens = structlog.contextvars.bind_contextvars(request_id=request_id)
-        try:
+        with bound(request_id=request_id):
             try:
                 answer = await self.handler(scope, match, b"".join(chunks))
             except EmberError as exc:
@@ -125,8 +123,6 @@ class FastLane:
             except Exception as exc:  # what Starlette's error middleware would do
                 await self._respond(await problems.unexpected(Request(scope), exc), id_header, send)
                 return
-        finally:
-            structlog.contextvars.reset_contextvars(**tokens)
         if answer is None:
             await self._fall_through(scope, receive, send, messages)
             return

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import os
 
-import structlog
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ember.api.problems import PROBLEM_JSON, TYPE_BASE, protocol_error
+from ember.logs import bound
 
 
 def last_header(scope: Scope, name: bytes) -> bytes | None:
@@ -47,12 +47,8 @@ class RequestContext:
                 message.setdefault("headers", []).append(header)
             await send(message)
 
-        # ember.logs.bound without the context manager's generator: this runs per request.
-        tokens = structlog.contextvars.bind_contextvars(request_id=request_id)
-        try:
+        with bound(request_id=request_id):
             await self.app(scope, receive, send_with_id)
-        finally:
-            structlog.contextvars.reset_contextvars(**tokens)
 
 
 class BodyLimit:

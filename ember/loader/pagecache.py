@@ -44,6 +44,19 @@ _libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
+def whole_huge_pages(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole 2 MiB pages."""
+    return -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+
+
+def _address(buf: mmap.mmap | memoryview) -> int:
+    """The address of a writable buffer's first byte."""
+    anchor = ctypes.c_char.from_buffer(buf)
+    addr = ctypes.addressof(anchor)
+    del anchor  # the export must not outlive this call (the caller's object keeps the memory)
+    return addr
+
+
 def host_buffer(nbytes: int, *, populate: bool = False) -> memoryview:
     """``nbytes`` of private anonymous memory, 2 MiB aligned, transparent huge pages asked
     for (``MADV_HUGEPAGE``). The view keeps the mapping alive.
@@ -58,9 +71,7 @@ def host_buffer(nbytes: int, *, populate: bool = False) -> memoryview:
     """
     size = max(nbytes, 1)
     mm = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    anchor = ctypes.c_char.from_buffer(mm)
-    addr = ctypes.addressof(anchor)
-    del anchor  # the export must not outlive this call (the view below keeps ``mm``)
+    addr = _address(mm)
     skip = (-addr) % HUGE_PAGE
     _libc.madvise(addr + skip, size, _MADV_HUGEPAGE)  # advisory: a refusal is harmless
     if populate:
@@ -146,12 +157,9 @@ class HostReserve:
             buf, self._buf, self._want, self._filling = self._buf, None, 0, None
         if buf is None:
             return None
-        keep = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+        keep = whole_huge_pages(nbytes)
         if keep < len(buf):
-            anchor = ctypes.c_char.from_buffer(buf)
-            addr = ctypes.addressof(anchor)
-            del anchor
-            _libc.madvise(addr + keep, len(buf) - keep, _MADV_DONTNEED)
+            _libc.madvise(_address(buf) + keep, len(buf) - keep, _MADV_DONTNEED)
         return buf[:nbytes]
 
     def release(self) -> None:

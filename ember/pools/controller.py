@@ -31,6 +31,7 @@ from sqlmodel import col, select
 
 from ember.costmodel import CostModel, hardware_key
 from ember.errors import NotReady
+from ember.loader.pagecache import whole_huge_pages
 from ember.logs import get_logger, model_context
 from ember.pools.autoscaler import (
     Autoscaler,
@@ -842,9 +843,10 @@ class PoolsController:
     def _keep_standby(self) -> None:
         spares = [r for r in self.replicas.values() if not r.key[1]]
         missing = self.standby_pool - len(spares)
-        options = LaunchOptions(reserve_bytes=self._standby_reserve()) if missing > 0 else None
+        if missing <= 0:
+            return
+        options = LaunchOptions(reserve_bytes=self._standby_reserve())
         for _ in range(missing):
-            assert options is not None
             handle = self.backend.launch(None, options)
             replica = ManagedReplica(handle, (0, ""), "", "", tier="standby")
             self.replicas[handle.replica_id] = replica
@@ -854,9 +856,8 @@ class PoolsController:
         """The memory a new standby process faults in for the weights it may be given: the
         largest version served that a standby process can become and that fits in
         ``standby_reserve_max``, rounded up to whole huge pages; 0 for none."""
-        huge = 2 * 1024 * 1024
         sizes = [
-            -(-size // huge) * huge
+            whole_huge_pages(size)
             for view in self.deployments.values()
             for version, size in view.sizes.items()
             if version in view.specs and self.backend.standby_can_run(view.specs[version])

@@ -23,16 +23,27 @@ def _bert(**overrides: Any) -> Any:
     return transformers.BertModel(config, add_pooling_layer=False).eval()
 
 
-def _padded(model: Any, rows: list[list[int]], types: list[list[int]]) -> torch.Tensor:
+class _Encoding:  # the two fields of ``tokenizers.Encoding`` that packed reads
+    def __init__(self, ids: list[int]) -> None:
+        self.ids, self.type_ids = ids, [0] * len(ids)
+
+
+def _batch(rows: list[list[int]], types: list[list[int]]) -> dict[str, torch.Tensor]:
+    """``rows`` padded on the right, as a tokenizer with ``padding=True`` gives them."""
     width = max(map(len, rows))
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     tt = torch.zeros_like(ids)
     mask = torch.zeros_like(ids)
     for i, (r, t) in enumerate(zip(rows, types, strict=True)):
         ids[i, : len(r)], tt[i, : len(t)], mask[i, : len(r)] = torch.tensor(r), torch.tensor(t), 1
+    return {"input_ids": ids, "token_type_ids": tt, "attention_mask": mask}
+
+
+def _padded(model: Any, rows: list[list[int]], types: list[list[int]]) -> torch.Tensor:
+    batch = _batch(rows, types)
     with torch.inference_mode():
-        out = model(input_ids=ids, token_type_ids=tt, attention_mask=mask).last_hidden_state
-    m = mask.unsqueeze(-1).to(out.dtype)
+        out = model(**batch).last_hidden_state
+    m = batch["attention_mask"].unsqueeze(-1).to(out.dtype)
     return torch.nn.functional.normalize((out * m).sum(1) / m.sum(1), p=2, dim=1)
 
 
@@ -53,13 +64,8 @@ def test_packed_matches_padded(lengths: list[int]) -> None:
 
 def test_pooled_reads_tokenizers_encodings() -> None:
     model = _bert()
-
-    class Encoding:  # the two fields of ``tokenizers.Encoding`` it reads
-        def __init__(self, ids: list[int]) -> None:
-            self.ids, self.type_ids = ids, [0] * len(ids)
-
     rows = [[5, 6, 7], [8, 9, 10, 11, 12, 13]]
-    got = packed.pooled(model, [Encoding(r) for r in rows], "cpu")
+    got = packed.pooled(model, [_Encoding(r) for r in rows], "cpu")
     torch.testing.assert_close(got, _padded(model, rows, [[0] * 3, [0] * 6]))
 
 
@@ -88,17 +94,8 @@ def test_classifier_logits_match_padded() -> None:
     torch.manual_seed(0)
     model = transformers.BertForSequenceClassification(config).eval()
     assert packed.fits_classifier(model) and not packed.fits_classifier(_bert())
-
-    class Encoding:
-        def __init__(self, ids: list[int]) -> None:
-            self.ids, self.type_ids = ids, [0] * len(ids)
-
     rows = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]]
-    got = packed.logits(model, [Encoding(r) for r in rows], "cpu")
-    ids = torch.zeros(3, 6, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+    got = packed.logits(model, [_Encoding(r) for r in rows], "cpu")
     with torch.inference_mode():
-        want = model(input_ids=ids, attention_mask=mask).logits
+        want = model(**_batch(rows, [[0] * len(r) for r in rows])).logits
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
