@@ -85,3 +85,31 @@ def test_console_format_is_used_on_a_tty() -> None:
     configure_logging("INFO", "console")
     text = stream.getvalue()
     assert "hello" in text and "model" in text and not text.lstrip().startswith("{")
+
+
+def test_a_context_restores_what_it_covered_and_survives_leaving_elsewhere(
+    captured: io.StringIO,
+) -> None:
+    import contextvars
+
+    from ember.logs import bound
+
+    log = get_logger("ctx")
+    with bound(request_id="r1"), model_context("m", "1", request_id="r2"):
+        log.info("inner")
+    with bound(request_id="r1"):
+        with model_context("m", "2"):
+            pass
+        log.info("after")  # the inner block's model/version are gone, r1 is back
+    log.info("outside")
+    # entered in one context, left in a copy (a task that was handed the block): no error,
+    # and the ids are dropped where it was left
+    block = bound(job_id="j")
+    block.__enter__()
+    contextvars.copy_context().run(block.__exit__, None, None, None)
+    block.__exit__(None, None, None)
+    log.info("done")
+    got = {e["event"]: e for e in lines(captured)}
+    assert got["inner"]["request_id"] == "r2" and got["inner"]["version"] == "1"
+    assert got["after"]["request_id"] == "r1" and "version" not in got["after"]
+    assert "request_id" not in got["outside"] and "job_id" not in got["done"]

@@ -165,3 +165,30 @@ def test_revoked_keys_stop_working(api: Api) -> None:
     problem(client.get("/v1/models"), 401, "unauthenticated")
     problem(api.admin.delete("/v1/keys/99999"), 404, "not-found")
     problem(api.admin.delete("/v1/keys/99999999999999999999999"), 422, "invalid-input")
+
+
+def test_a_key_revoked_by_another_api_process_is_refused_before_its_cache_entry_ends(
+    api: Api,
+) -> None:
+    """A second API process on the same registry keeps a key in use fresh by re-checking
+    it in the background: a revocation elsewhere is seen at that re-check, before the
+    cached entry would have run out."""
+    from ember.api.app import create_app
+    from ember.registry.security import hash_key
+    from tests import services
+
+    created = api.admin.post("/v1/keys", json={"name": "elsewhere"}).json()
+    other = create_app(api.settings)
+    with services.serve_app(other) as url, httpx.Client(
+        base_url=url, headers={"Authorization": f"Bearer {created['key']}"}, timeout=30
+    ) as client:  # fmt: skip
+        assert client.get("/v1/models").status_code == 200
+        expires = other.state.principals.entries[(hash_key(created["key"]), None)][0]
+        assert api.admin.delete(f"/v1/keys/{created['id']}").status_code == 200
+        status = 200
+        while status == 200 and time.monotonic() < expires + 5:
+            time.sleep(0.05)
+            status = client.get("/v1/models").status_code
+        refused_at = time.monotonic()
+    assert status == 401
+    assert refused_at < expires  # the re-check, not the expiry, refused it
