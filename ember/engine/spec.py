@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from functools import cached_property
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -68,8 +69,9 @@ class VersionSpec(BaseModel):
     cost: dict[str, float] | None = None
     """Calibrated ``CostModel`` fields for this hardware, if known."""
 
-    @property
+    @cached_property
     def cost_model(self) -> CostModel:
+        """Built once: the scheduler prices every queued instance with it."""
         return CostModel.from_dict(self.cost)
 
 

@@ -7,7 +7,11 @@ The body is the array's bytes, row-major (C order), little-endian: exactly
 speaks it end to end (worker → gateway ``:predict`` → replica ``/infer``): the gateway
 checks it and passes the bytes on without decoding them, and the replica reads them
 with ``np.frombuffer`` straight into one batch array. Priority and deadline travel as
-headers (``X-Ember-Priority``, ``X-Ember-Timeout-Ms``); the answer is the usual JSON.
+headers (``X-Ember-Priority``, ``X-Ember-Timeout-Ms``). The answer is the usual JSON,
+unless the caller sends ``Accept: application/x-ember-tensor`` and the predictions are
+numbers of one shape: then it is a tensor body too (``answer_body``; the predictions as
+one array, model and version in the ``X-Ember-Model`` / ``X-Ember-Version`` headers), so
+neither side builds or parses a float per value.
 
 Hostile input is a ``MalformedRequest`` (400 problem), never a crash or a large
 allocation: an unknown dtype, a shape that is not a list of positive integers (rank
@@ -83,6 +87,27 @@ class TensorBody:
             raise ValueError("a tensor body holds at least one instance")
         wire = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
         return cls(wire.tobytes(), name, tuple(int(d) for d in array.shape))
+
+
+def answer_body(predictions: list[Any]) -> TensorBody | None:
+    """``predictions`` as one tensor body, the numbers JSON would carry (Python floats
+    are float64, ints int64; numpy's reading, so a boolean in a row of numbers counts as
+    one), or None when they are not numbers of one shape (ragged, strings, objects,
+    booleans, nulls): such answers stay JSON."""
+    if not predictions:
+        return None
+    first = predictions[0]
+    if isinstance(first, bool) or not isinstance(first, (int, float, list)):
+        return None  # a dict, a string, a null: not a tensor
+    try:
+        array = np.asarray(predictions)
+    except (ValueError, OverflowError):  # ragged, or an int beyond int64
+        return None
+    if array.dtype.kind not in "iuf" or array.shape[0] != len(predictions):
+        return None
+    if array.dtype.kind == "u" or (array.dtype.kind == "i" and array.dtype != np.int64):
+        return None  # only what JSON numbers map to
+    return TensorBody.of(array)
 
 
 def parse(content_type: str, data: bytes, max_rows: int) -> TensorBody:

@@ -9,7 +9,7 @@ import httpx
 import numpy as np
 import pytest
 
-from ember.engine.tensorbody import MEDIA_TYPE, TensorBody, parse
+from ember.engine.tensorbody import MEDIA_TYPE, TensorBody, answer_body, parse
 from ember.errors import MalformedRequest, PayloadTooLarge
 from tests.engine.conftest import StartEngine
 
@@ -104,3 +104,66 @@ def test_hostile_tensor_bodies_are_problems(
             assert answer.json()["status"] == status and answer.json()["detail"]
     ok = post_tensor(engine.url, body.data, body.content_type, **{"x-ember-timeout-ms": "5000"})
     assert ok.status_code == 200
+
+
+def test_a_tensor_answer_when_asked(start_engine: StartEngine, mlp_spec: dict[str, Any]) -> None:
+    """``Accept: application/x-ember-tensor``: the predictions as one tensor body, the
+    same numbers the JSON answer holds; model and version in the headers."""
+    engine = start_engine(mlp_spec)
+    x = rows(70)
+    body = TensorBody.of(x)
+    expected = httpx.post(f"{engine.url}/infer", json={"instances": x.tolist()}, timeout=60)
+    asks = {"x-ember-priority": "batch", "accept": MEDIA_TYPE}
+    answer = post_tensor(engine.url, body.data, body.content_type, **asks)
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["content-type"] == f"{MEDIA_TYPE}; dtype=float64; shape=70,16"
+    assert answer.headers["x-ember-model"] == "mlp" and answer.headers["x-ember-version"] == "1"
+    got = parse(answer.headers["content-type"], answer.content, 70).array()
+    assert got.tolist() == expected.json()["predictions"]  # bit for bit: float64 both ways
+    # a JSON body may ask for a tensor answer too; without the header, JSON as before
+    from_json = httpx.post(
+        f"{engine.url}/infer", json={"instances": x[:3].tolist()}, headers={"accept": MEDIA_TYPE}
+    )
+    assert from_json.headers["content-type"].startswith(MEDIA_TYPE)
+    plain = post_tensor(engine.url, body.data, body.content_type)
+    assert plain.headers["content-type"] == "application/json"
+    # errors stay problems whatever the caller accepts
+    bad = post_tensor(engine.url, body.data[:-1], body.content_type, accept=MEDIA_TYPE)
+    assert bad.status_code == 400 and bad.headers["content-type"] == PROBLEM
+
+
+@pytest.mark.parametrize(
+    ("predictions", "dtype", "shape"),
+    [
+        ([[0.5, 1.0], [2.0, -3.25]], "float64", (2, 2)),
+        ([1.5, 2, 3], "float64", (3,)),  # ints among floats: JSON numbers, one float array
+        ([[1, 2], [3, 4]], "int64", (2, 2)),
+        ([[[1.0]], [[2.0]]], "float64", (2, 1, 1)),
+    ],
+)
+def test_answer_body_is_what_json_carries(
+    predictions: list[Any], dtype: str, shape: tuple[int, ...]
+) -> None:
+    tensor = answer_body(predictions)
+    assert tensor is not None and tensor.dtype == dtype and tensor.shape == shape
+    assert tensor.array().tolist() == predictions
+
+
+@pytest.mark.parametrize(
+    "predictions",
+    [
+        [],
+        [[1.0, 2.0], [3.0]],  # ragged
+        [True, False],
+        [[True, False]],
+        [{"label": "a", "score": 0.5}],
+        ["text"],
+        [None, 1.0],
+        [[1.0, None]],
+        [2**70],  # beyond int64
+        [[2**64 - 1]],  # uint64 only
+        [1, "2"],
+    ],
+)
+def test_answer_body_leaves_the_rest_to_json(predictions: list[Any]) -> None:
+    assert answer_body(predictions) is None
