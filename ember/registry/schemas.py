@@ -188,7 +188,11 @@ class Placement(Input):
     cpu_cores: float = Field(2.0, gt=0, le=256, description="CPU request and limit per replica.")
     memory_gib: float = Field(8.0, gt=0, le=4096, description="Memory request and limit.")
     threads: int | None = Field(
-        None, ge=1, le=256, description="OMP_NUM_THREADS; null: `cpu_cores` rounded up."
+        None,
+        ge=1,
+        le=256,
+        description="The model's intra-op (OpenMP) threads per replica; null: `cpu_cores` "
+        "rounded up on Kubernetes, the process's CPU quota or affinity on the local backend.",
     )
 
 
@@ -230,7 +234,8 @@ class PoolPolicy(Input):
     )
     placement: Placement = Field(
         default_factory=Placement,
-        description="GPU type, resources and threads of each replica on Kubernetes.",
+        description="GPU type and resources of each replica on Kubernetes; its threads "
+        "(on the local backend too).",
     )
 
     @field_validator("safe_default")

@@ -47,6 +47,8 @@ class LocalProcessBackend(ReplicaBackend):
                "--max-batch-size", str(options.max_batch_size),
                "--max-queue-delay-ms", str(options.max_queue_delay_ms),
                "--max-queue", str(options.max_queue)]  # fmt: skip
+        if options.placement is not None and options.placement.threads:
+            cmd += ["--threads", str(options.placement.threads)]
         if spec is None:
             cmd.append("--standby")
             if options.reserve_bytes > 0:
