@@ -50,6 +50,7 @@ def attach(app: FastAPI, settings: Settings) -> None:
     from ember.jobs.queue import Publisher
 
     app.state.job_publisher = Publisher(settings)
+    app.state.job_publisher.warm()
     gateway = getattr(app.state, "gateway", None)
     if gateway is not None:
         gateway.controller.async_demand = QueuedDemand(app.state.engine)

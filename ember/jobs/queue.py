@@ -118,6 +118,24 @@ class Publisher:
             return False
         return True
 
+    def warm(self) -> threading.Thread:
+        """Load the broker's transport and Celery's routing ahead, in a thread: the first
+        publish did it, 0.6 s of the first batch run's clock in a busy API process (83 ms
+        alone, 56 ms after this). A broker that is down is left to ``_send``."""
+
+        def connect() -> None:
+            try:  # a connection of its own: kombu's pools are per broker URL, process-wide
+                with self.celery.connection_for_write() as connection:
+                    connection.ensure_connection(max_retries=1)
+                    _ = connection.default_channel
+                _ = self.celery.amqp.router, self.celery.amqp.queues
+            except Exception as exc:  # Redis down at start: the first publish says so
+                log.info("broker not reached ahead", error=f"{type(exc).__name__}: {exc}"[:300])
+
+        thread = threading.Thread(target=connect, name="ember-publisher-warm", daemon=True)
+        thread.start()
+        return thread
+
     def close(self) -> None:
         pool = self.celery.pool if self.celery._pool is not None else None
         if pool is not None:
