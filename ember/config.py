@@ -294,6 +294,11 @@ class Settings(BaseSettings):
     """Input files one batch run may match."""
     batch_max_attempts: int = Field(5, ge=1, le=100)
     """Attempts per shard before the shard (and its run) fails."""
+    batch_direct: bool = True
+    """Workers send a run's batches straight to the version's replicas (the gateway's
+    ``:batch-lane`` names them), as tensor bodies with tensor answers; off, or while no
+    replica is ready or reachable from the worker's host, through the gateway's
+    ``:predict``."""
 
     @field_validator("file_roots", "s3_allowed_buckets", "k8s_standby_accelerators", mode="before")
     @classmethod

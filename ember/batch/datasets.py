@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -121,7 +121,12 @@ def count_rows(data: bytes, fmt: str, uri: str) -> int:
 
 
 def parse_rows(
-    data: bytes, fmt: str, uri: str, start: int = 0, end: int | None = None
+    data: bytes,
+    fmt: str,
+    uri: str,
+    start: int = 0,
+    end: int | None = None,
+    first_line: int = 1,
 ) -> list[dict[str, Any] | BadRow]:
     """Rows ``[start, end)`` of a file: a dict, or a ``BadRow`` with why it is not one.
     For text formats the rows outside the range are counted, not parsed (``end=0``
@@ -130,7 +135,7 @@ def parse_rows(
         import pyarrow.parquet as pq
 
         try:
-            table = pq.read_table(io.BytesIO(data))
+            table = pq.read_table(io.BytesIO(data), use_threads=False)
         except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ...
             raise InvalidInput(f"{uri} is not a readable Parquet file: {exc}"[:500]) from exc
         stop = table.num_rows if end is None else end
@@ -153,9 +158,11 @@ def parse_rows(
             try:
                 doc = json.loads(line)
             except ValueError as exc:
-                rows.append(BadRow(f"line {n + 1} is not JSON: {exc}"))
+                rows.append(BadRow(f"line {n + first_line} is not JSON: {exc}"))
                 continue
-            rows.append(doc if isinstance(doc, dict) else BadRow(f"line {n + 1} is not an object"))
+            if not isinstance(doc, dict):
+                doc = BadRow(f"line {n + first_line} is not an object")
+            rows.append(doc)
         return rows if end == 0 else rows[start:end]
     try:
         reader = csv.DictReader(io.StringIO(text))
@@ -187,6 +194,8 @@ def instance_of(row: dict[str, Any], column: str, fmt: str) -> Any:
 #: on ``\n`` / ``bytes.strip`` could disagree: such a file takes the careful path.
 _ODD_ASCII = (b"\r", b"\x0b", b"\x0c", b"\x1c", b"\x1d", b"\x1e", b"\x1f")
 _ODD_TEXT = ("\x85", "\u2028", "\u2029")
+_BLOCK = 1 << 20
+"""Bytes ``jsonl_lines`` scans at a time."""
 
 
 class Memo:
@@ -246,9 +255,12 @@ def read_shard(
     column: str,
     schema: dict[str, Any] | None,
     memo: Memo | None = None,
+    first_line: int = 1,
 ) -> ShardRows:
     """Rows ``[start, end)`` of a file, checked against the version's ``input_schema``;
-    ``memo`` keeps what the file's other shards can reuse (its line offsets).
+    ``memo`` keeps what the file's other shards can reuse (its line offsets);
+    ``first_line``: the file's line number of ``data``'s first line (a JSONL shard read
+    as its own byte range), for the rejects' reasons.
 
     Columnar where it can be: Parquet, and JSONL through pyarrow's JSON reader; the
     instances of a fixed-shape schema become one array with one shape check for the
@@ -260,6 +272,9 @@ def read_shard(
     if fmt == "parquet":
         table = _parquet_slice(data, uri, start, end)
     elif fmt == "jsonl":
+        clean = _jsonl_vectors(data, start, end, key_columns, column, schema, memo)
+        if clean is not None:
+            return clean
         table = _jsonl_table(data, start, end, memo)
     if table is not None:
         fast = _from_table(table, start, key_columns, column, schema, fmt)
@@ -269,7 +284,7 @@ def read_shard(
     if fmt == "parquet":
         rows: list[dict[str, Any] | BadRow] = table.to_pylist()
     else:
-        rows = parse_rows(data, fmt, uri, start, end)
+        rows = parse_rows(data, fmt, uri, start, end, first_line)
     return _from_rows(rows, start, key_columns, column, schema, fmt)
 
 
@@ -277,7 +292,7 @@ def _parquet_slice(data: bytes, uri: str, start: int, end: int) -> Any:
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(io.BytesIO(data))
+        table = pq.read_table(io.BytesIO(data), use_threads=False)
     except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ...
         raise InvalidInput(f"{uri} is not a readable Parquet file: {exc}"[:500]) from exc
     return table.slice(start, max(0, end - start))
@@ -295,10 +310,87 @@ def _jsonl_table(data: bytes, start: int, end: int, memo: Memo | None) -> Any:
         return None
     first, cut = int(lines[start, 0]), int(lines[end - 1, 1])
     try:
-        table = pj.read_json(pa.BufferReader(memoryview(data)[first:cut]))
+        # One thread: pyarrow's pool spent twice the CPU for the same wall time here, CPU the
+        # model on the same cores needs (10k rows of 256 floats: 11.4 vs 22.0 ms/krow).
+        view = pa.BufferReader(memoryview(data)[first:cut])
+        table = pj.read_json(view, read_options=pj.ReadOptions(use_threads=False))
     except Exception:  # a line that is not a JSON object, a type that varies, ...
         return None
     return table if table.num_rows == end - start else None
+
+
+#: Schemas ``_jsonl_vectors`` reads: the dtypes a JSON number array becomes without a
+#: narrowing cast of its own (the others take the pyarrow path, which says what overflows).
+_VECTOR_DTYPES: dict[str, Literal["d", "i"]] = {"float32": "d", "float64": "d", "int64": "i"}
+
+
+def _jsonl_vectors(
+    data: bytes,
+    start: int,
+    end: int,
+    key_columns: list[str],
+    column: str,
+    schema: dict[str, Any] | None,
+    memo: Memo | None,
+) -> ShardRows | None:
+    """The common clean case of a JSONL shard: every line an object with the key columns
+    (scalars) and a flat numeric array of the schema's length (rank-1 schema). simdjson
+    parses each line and hands the array over as one buffer of doubles (or int64s), so no
+    float object is ever made: 2.6x less CPU than pyarrow's reader for 256 floats a row
+    (5.7 vs 15 ms per 1000 rows), on the cores the model uses. Anything else — a
+    missing key, a nested or non-numeric value (booleans too), a duplicate name, an odd
+    line — is None, and the pyarrow and row paths read the shard and give every row its
+    reason, as before; what this returns is what they would (the same instances, cast the
+    same way, key columns built from the same Python values as the row path's)."""
+    tensor = tensor_schema(schema)
+    if tensor is None or len(tensor[0]) != 1 or tensor[1] not in _VECTOR_DTYPES:
+        return None
+    try:
+        import simdjson
+    except ImportError:  # an optional speed-up: the pyarrow path reads the same
+        return None
+    import pyarrow as pa
+
+    memo = memo or Memo()
+    lines = memo.get("jsonl_lines", lambda: jsonl_lines(data))
+    if lines is None or not 0 <= start < end <= len(lines):
+        return None
+    (size,), dtype = tensor
+    kind = _VECTOR_DTYPES[dtype]
+    wire = np.dtype(np.int64 if kind == "i" else np.float64)
+    block = np.empty((end - start, size), dtype=wire)
+    keys: dict[str, list[Any]] = {k: [] for k in key_columns}
+    parser = simdjson.Parser()
+    nested = (simdjson.Object, simdjson.Array)
+    try:
+        for i, (a, b) in enumerate(lines[start:end].tolist()):
+            doc = parser.parse(data[a:b])
+            if not isinstance(doc, simdjson.Object):
+                return None
+            names = list(doc.keys())
+            if len(names) != len(set(names)):  # json.loads keeps the last, simdjson the first
+                return None
+            field = doc[column]
+            if not isinstance(field, simdjson.Array):
+                return None
+            values = np.frombuffer(field.as_buffer(of_type=kind), dtype=wire)
+            if values.size != size:
+                return None
+            block[i] = values
+            for k in key_columns:
+                value = doc[k]
+                if isinstance(value, nested):
+                    return None
+                keys[k].append(value)
+            del doc, field, values  # the parser refuses the next line while they live
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+    try:
+        columns = {k: pa.array(v) for k, v in keys.items()}
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        return None  # the row path says which column
+    array = block if block.dtype == np.dtype(dtype) else block.astype(dtype)
+    return ShardRows(end - start, columns, array, [])
 
 
 def jsonl_lines(data: bytes) -> np.ndarray[Any, Any] | None:
@@ -307,8 +399,6 @@ def jsonl_lines(data: bytes) -> np.ndarray[Any, Any] | None:
     that careful path can: other line breaks (``\\r``, ``\\x0b``, ``\\u2028``, ...),
     a line of Unicode whitespace, text that is not UTF-8. Once per file: a worker keeps
     it with the file for the file's other shards."""
-    if any(odd in data for odd in _ODD_ASCII):
-        return None
     if not data.isascii():
         try:
             text = data.decode("utf-8")
@@ -318,7 +408,18 @@ def jsonl_lines(data: bytes) -> np.ndarray[Any, Any] | None:
             return None
         del text
     raw = np.frombuffer(data, dtype=np.uint8)
-    breaks = np.flatnonzero(raw == ord("\n"))
+    # One pass over the bytes, in blocks that stay in cache (no file-sized temporaries):
+    # the control bytes of a block are its line breaks, tabs and any odd ones.
+    odd = np.frombuffer(b"".join(_ODD_ASCII), dtype=np.uint8)
+    found: list[np.ndarray[Any, Any]] = []
+    for at in range(0, len(raw), _BLOCK):
+        block = raw[at : at + _BLOCK]
+        control = np.flatnonzero(block < 0x20)
+        kinds = block[control]
+        if np.isin(kinds, odd).any():
+            return None
+        found.append(control[kinds == ord("\n")] + at)
+    breaks = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
     starts = np.concatenate(([0], breaks + 1))
     stops = np.concatenate((breaks, [len(data)]))
     keep = stops > starts
@@ -411,7 +512,13 @@ def _values_array(kept: Any, shape: tuple[int, ...], dtype: str) -> Any:
         flat = flat.flatten()
     if not _numeric(flat.type) or flat.null_count:
         return None
-    return flat.to_numpy(zero_copy_only=False).astype(dtype, copy=False).reshape(-1, *shape)
+    values = flat.to_numpy(zero_copy_only=False)
+    target = np.dtype(dtype)
+    if target.kind in "iu" and values.dtype.kind in "iu" and values.size:
+        bounds = np.iinfo(target)  # a cast would wrap; the row path says which row overflows
+        if values.min() < bounds.min or values.max() > bounds.max:
+            return None
+    return values.astype(target, copy=False).reshape(-1, *shape)
 
 
 def _is_list(kind: Any) -> bool:

@@ -128,20 +128,32 @@ def plan_shards(settings: Settings, spec: BatchSpec, input_uri: str) -> list[Bat
     shards: list[BatchShard] = []
     for info in files:
         fmt = datasets.detect_format(info.uri, spec.format)
+        lines = None
         try:
-            rows = datasets.count_rows(datasets.read_object(settings, info), fmt, info.uri)
+            data = datasets.read_object(settings, info)
+            if fmt == "jsonl":  # the line index also gives each shard its bytes
+                lines = datasets.jsonl_lines(data)
+            rows = len(lines) if lines is not None else datasets.count_rows(data, fmt, info.uri)
         except LoaderError as exc:
             raise InvalidInput(f"input_uri: {exc.detail}", input_uri=info.uri) from exc
+        counted_to, lines_before = 0, 0  # physical lines before a shard's first byte
         for start in range(0, rows, spec.shard_rows):
-            shards.append(
-                BatchShard(
-                    run_id=0,
-                    number=len(shards),
-                    input_uri=info.uri,
-                    row_start=start,
-                    row_end=min(rows, start + spec.shard_rows),
-                )
+            end = min(rows, start + spec.shard_rows)
+            shard = BatchShard(
+                run_id=0,
+                number=len(shards),
+                input_uri=info.uri,
+                row_start=start,
+                row_end=end,
+                input_etag=info.etag if 0 < len(info.etag) <= 256 else None,
             )
+            if lines is not None:
+                shard.byte_start, shard.byte_end = int(lines[start, 0]), int(lines[end - 1, 1])
+                lines_before += data.count(b"\n", counted_to, shard.byte_start)
+                counted_to = shard.byte_start
+                shard.line_start = lines_before + 1
+            shards.append(shard)
+        del data
     return shards
 
 

@@ -3,11 +3,15 @@
 1. **Claim**: ``queued`` → ``running`` with a fresh lease token, or take over a
    ``running`` shard whose lease expired (its worker died). A committed shard, a failed
    one or a finished run claims nothing: the message is acknowledged and dropped.
-2. **Score** the shard's rows through the gateway (``POST /v1/models/{m}/versions/{v}
-   :predict``, ``"priority": "batch"``, admin key + ``X-Ember-Tenant``) in batches of the
-   deployment's ``max_batch_size``, always on the run's pinned version. Rows that cannot
-   be scored (unparseable, a missing column, the wrong shape) go to the rejects file.
-   The lease is renewed in the background; a lost lease stops the attempt.
+2. **Score** the shard's rows in batches of the deployment's ``max_batch_size``, always
+   on the run's pinned version, at the ``batch`` priority: straight to the version's
+   replicas (``POST /infer``, tensor body and tensor answer; the gateway's
+   ``:batch-lane`` says which replicas and how much in flight, see
+   ``ember.batch.client.Lane``), or through the gateway (``POST /v1/models/{m}/versions/
+   {v}:predict``, admin key + ``X-Ember-Tenant``) while no replica is ready or reachable
+   or ``EMBER_BATCH_DIRECT`` is off. Rows that cannot be scored (unparseable, a missing
+   column, the wrong shape) go to the rejects file. The lease is renewed in the
+   background; a lost lease stops the attempt.
 3. **Write** ``part-NNNNN.parquet`` (one object per shard, written whole and renamed
    into place, so a retry overwrites it with the same rows and no row is ever written
    twice) and ``rejects/part-NNNNN.jsonl``, then **commit** fenced on the lease.
@@ -37,12 +41,19 @@ from sqlalchemy import Engine, and_, or_, update
 from sqlmodel import Session, col, select
 
 from ember.batch import datasets
-from ember.batch.client import GatewayClient, InputCache
+from ember.batch.client import GatewayClient, InputCache, Lane, Target
 from ember.batch.plan import FINISHED, SHARD_TASK, publish, pump, utcnow
 from ember.batch.schemas import BatchSpec
 from ember.config import Settings
-from ember.engine.tensorbody import TIMEOUT_HEADER, TensorBody
-from ember.errors import EmberError, InvalidInput, LoaderError, StoreUnavailable
+from ember.engine.tensorbody import MEDIA_TYPE, TIMEOUT_HEADER, TensorBody, is_tensor
+from ember.engine.tensorbody import parse as parse_tensor
+from ember.errors import (
+    EmberError,
+    InvalidInput,
+    LoaderError,
+    ObjectChanged,
+    StoreUnavailable,
+)
 from ember.jobs.runner import api_url, worker_id
 from ember.loader.stores import ObjectInfo
 from ember.logs import get_logger, model_context
@@ -114,6 +125,8 @@ class ShardRunner:
         self.worker = worker_id()
         self.lock = threading.Lock()
         self.windows: dict[tuple[str, str], Window] = {}
+        self.lanes: dict[tuple[str, str, str], Lane] = {}
+        self.parsing = threading.Lock()
         self.calls = ThreadPoolExecutor(4 * MAX_WINDOW, thread_name_prefix="ember-batch-lane")
 
     # --- one message -------------------------------------------------------------------
@@ -229,24 +242,15 @@ class ShardRunner:
         batch = PoolPolicy.model_validate(deployment.policy).max_batch_size if deployment else 32
         fmt = datasets.detect_format(shard.input_uri, spec.format)
         try:
-            info = open_info(self.settings, shard.input_uri)
-            data, memo = self.inputs.get(info, lambda i: datasets.read_object(self.settings, i))
-            rows = datasets.read_shard(
-                data,
-                fmt,
-                info.uri,
-                shard.row_start,
-                shard.row_end,
-                spec.key_columns,
-                spec.input_column,
-                version.input_schema,
-                memo,
-            )
+            rows = self._read(shard, fmt, spec, version.input_schema)
         except StoreUnavailable as exc:
             raise Retry(exc.detail) from exc
+        except ObjectChanged as exc:
+            raise Fatal(
+                f"input {shard.input_uri} changed since the run was planned: {exc.detail}"
+            ) from exc
         except (LoaderError, InvalidInput) as exc:
             raise Fatal(f"input {shard.input_uri}: {exc.detail}") from exc
-        del data
         rejects = [{"input_uri": shard.input_uri, **r} for r in rows.rejects]
         limit = spec.max_error_ratio * rows.total
         if rejects and len(rejects) > limit:
@@ -261,14 +265,54 @@ class ShardRunner:
             raise Lost()
         return _output(run, rows.keys, predictions, utcnow()), rejects
 
+    def _read(
+        self, shard: BatchShard, fmt: str, spec: BatchSpec, schema: dict[str, Any] | None
+    ) -> datasets.ShardRows:
+        """The shard's rows, from the object as it was when the run was planned
+        (``ObjectChanged`` otherwise). A JSONL shard with a planned byte range reads just
+        its bytes (one ranged read; its rows are numbered from ``row_start`` all the
+        same); other shards read the whole object, shared through the worker's input
+        cache. Shards fetch their bytes at once but parse one at a time: parsing holds
+        the GIL, and four shards parsed together made the first one ready four times
+        later (the model idle until then) for no gain."""
+        expected = shard.row_end - shard.row_start
+        if shard.byte_start is not None and shard.byte_end is not None and fmt == "jsonl":
+            from ember.loader.stores import open_store
+
+            length = shard.byte_end - shard.byte_start
+            store = open_store(shard.input_uri, self.settings)
+            data = store.read_range(
+                shard.input_uri, shard.byte_start, length, etag=shard.input_etag
+            )
+            with self.parsing:
+                rows = datasets.read_shard(
+                    data, fmt, shard.input_uri, 0, expected, spec.key_columns,
+                    spec.input_column, schema, first_line=shard.line_start or 1,
+                )  # fmt: skip
+            if rows.total != expected:
+                raise ObjectChanged(f"its bytes now hold {rows.total} rows, not {expected}")
+            for reject in rows.rejects:
+                reject["row"] += shard.row_start
+            return rows
+        info = open_info(self.settings, shard.input_uri)
+        if shard.input_etag is not None and info.etag != shard.input_etag:
+            raise ObjectChanged(f"etag {info.etag} != {shard.input_etag}")
+        data, memo = self.inputs.get(info, lambda i: datasets.read_object(self.settings, i))
+        with self.parsing:
+            return datasets.read_shard(
+                data, fmt, info.uri, shard.row_start, shard.row_end, spec.key_columns,
+                spec.input_column, schema, memo,
+            )  # fmt: skip
+
     def _predict_all(
         self, run: BatchRun, tenant: str, instances: Any, batch: int, lease: Lease
-    ) -> list[Any]:
-        """Predictions for ``instances`` (in order), in requests of ``batch`` (the
-        deployment's ``max_batch_size``), several in flight: as many as fit in the
-        gateway's ``X-Ember-Batch-Window`` (the instances the batch class may have in
-        flight: two full batches per replica), so a replica always has this version's
-        next batch queued behind the one it computes.
+    ) -> Any:
+        """Predictions for ``instances`` (in order; a list, or one array when replicas
+        answered with tensors), in requests of ``batch`` (the deployment's
+        ``max_batch_size``), several in flight: as many as fit in the batch class's
+        window (the lane's windows on the replicas, or the gateway's
+        ``X-Ember-Batch-Window``: two full batches per replica), so a replica always has
+        this version's next batch queued behind the one it computes.
 
         The window is shared by this worker's shards of the version, first come first
         served: the shard that started first has it until it is done, while the others
@@ -277,9 +321,13 @@ class ShardRunner:
         idle between waves of shards. Each of the shard's lanes sends its next request
         as soon as one of its own comes back."""
         window = self._window(run.model, run.version)
+        direct = self._lane(tenant, run)
+        if direct is not None:
+            direct.refresh()
+            window.resize_to(direct.window(), batch)
         ticket = window.ticket()
         starts = range(0, len(instances), batch)
-        results: list[list[Any]] = [[] for _ in starts]
+        results: list[Any] = [[] for _ in starts]
         taken = itertools.count()  # the next request's index, for whichever lane is free
         stop = threading.Event()
 
@@ -297,7 +345,7 @@ class ShardRunner:
                         if not held and (lease.lost.is_set() or stop.is_set()):
                             raise Lost()
                     chunk = instances[starts[i] : starts[i] + batch]
-                    results[i] = self._call(run, tenant, chunk, lease, stop, window, batch)
+                    results[i] = self._call(run, tenant, chunk, lease, stop, window, batch, direct)
                     if window.yields(ticket):
                         window.release()
                         held = False
@@ -316,7 +364,7 @@ class ShardRunner:
         wait(lanes)
         if errors:  # the cause, not the lanes it stopped (Lost), unless the lease was lost
             raise next((e for e in errors if not isinstance(e, Lost)), errors[0])
-        return [p for chunk in results for p in chunk]
+        return _joined(results)
 
     def _call(
         self,
@@ -327,7 +375,10 @@ class ShardRunner:
         stop: threading.Event,
         window: Window,
         batch: int,
-    ) -> list[Any]:
+        lane: Lane | None,
+    ) -> Any:
+        """The predictions for ``chunk``: a list, or an array when a replica answered
+        with a tensor."""
         path = f"/v1/models/{run.model}/versions/{run.version}:predict"
         headers = {"X-Ember-Tenant": tenant, "X-Request-Id": run.uid}
         if isinstance(chunk, np.ndarray):  # a tensor body: no JSON on the way to the model
@@ -349,19 +400,25 @@ class ShardRunner:
         while True:
             if lease.lost.is_set() or stop.is_set():
                 raise Lost()
-            try:
-                response = self.http.post(path, body, headers)
-            except (OSError, http.client.HTTPException) as exc:
-                raise Retry(f"gateway unreachable: {type(exc).__name__}: {exc}") from exc
+            target: Target | None = None
+            if lane is not None:
+                lane.refresh()
+                target = lane.take()
+            if target is not None:
+                assert lane is not None
+                response = self._direct(lane, target, body, headers, len(chunk))
+                if response is None:
+                    continue  # that replica is out of the lane now: the next one, or :predict
+                window.resize_to(lane.window(), batch)
+            else:
+                try:
+                    response = self.http.post(path, body, headers)
+                except (OSError, http.client.HTTPException) as exc:
+                    raise Retry(f"gateway unreachable: {type(exc).__name__}: {exc}") from exc
+                if response.status_code == 200:
+                    window.resize(response.headers.get("x-ember-batch-window"), batch)
             if response.status_code == 200:
-                window.resize(response.headers.get("x-ember-batch-window"), batch)
-                doc = pydantic_core.from_json(response.content)  # ~6x json.loads here
-                if str(doc.get("version")) != run.version:
-                    raise Retry(f"the gateway answered from version {doc.get('version')!r}")
-                predictions = doc.get("predictions")
-                if not isinstance(predictions, list) or len(predictions) != len(chunk):
-                    raise Retry("the gateway returned the wrong number of predictions")
-                return predictions
+                return _predictions(run, response, len(chunk))
             # 429: batch waits while online traffic uses the capacity; 503: no replica is
             # ready yet (scaling up). Neither is the shard's fault: wait, holding the lease
             # (and the window slot: the window does not grow into capacity online uses).
@@ -375,9 +432,43 @@ class ShardRunner:
                 time.sleep(random.uniform(0.5, 1.0) * min(max(wait, 0.02), backoff, 10.0))
                 continue
             detail = response.text[:500]
+            source = "a replica" if target is not None else "the gateway"
             if response.status_code in PERMANENT:
-                raise Fatal(f"{response.status_code} from the gateway: {detail}")
-            raise Retry(f"{response.status_code} from the gateway: {detail}")
+                raise Fatal(f"{response.status_code} from {source}: {detail}")
+            raise Retry(f"{response.status_code} from {source}: {detail}")
+
+    def _direct(
+        self, lane: Lane, target: Target, body: bytes, headers: dict[str, str], rows: int
+    ) -> Any:
+        """One batch straight to a replica of the lane; None when the replica cannot be
+        reached or is not serving (not ready, draining: 503), which leaves it out of the
+        lane until the gateway names it again."""
+        try:
+            response = target.client.post("/infer", body, headers | DIRECT_HEADERS)
+        except (OSError, http.client.HTTPException) as exc:
+            lane.done(target, 0, ok=False)
+            log.warning(
+                "batch lane: replica unreachable, left out",
+                replica=target.replica_id,
+                url=target.url,
+                error=f"{type(exc).__name__}: {exc}"[:200],
+            )
+            return None
+        if response.status_code == 503:
+            lane.done(target, 0, ok=False)
+            return None
+        lane.done(target, rows if response.status_code == 200 else 0, ok=True)
+        return response
+
+    def _lane(self, tenant: str, run: BatchRun) -> Lane | None:
+        if not self.settings.batch_direct:
+            return None
+        key = (tenant, run.model, run.version)
+        with self.lock:
+            lane = self.lanes.get(key)
+            if lane is None:
+                lane = self.lanes[key] = Lane(self.http, tenant, run.model, run.version)
+            return lane
 
     def _window(self, model: str, version: str) -> Window:
         with self.lock:
@@ -493,9 +584,53 @@ class ShardRunner:
     def close(self) -> None:
         self.calls.shutdown(wait=False, cancel_futures=True)
         self.http.close()
+        with self.lock:
+            lanes = list(self.lanes.values())
+        for lane in lanes:
+            lane.close()
 
 
-def _output(run: BatchRun, keys: dict[str, Any], predictions: list[Any], at: datetime) -> Any:
+DIRECT_HEADERS = {"Accept": MEDIA_TYPE}
+"""What a direct batch call adds: a tensor answer, when the predictions make one."""
+
+
+def _predictions(run: BatchRun, response: Any, rows: int) -> Any:
+    """The predictions of a 200 answer (a tensor answer as an array), checked: the run's
+    version, one per row; ``Retry`` otherwise."""
+    ctype = response.headers.get("content-type")
+    if is_tensor(ctype):
+        answered = response.headers.get("x-ember-version")
+        if answered != run.version:
+            raise Retry(f"a replica answered from version {answered!r}")
+        try:
+            array = parse_tensor(str(ctype), response.content, max(1, rows)).array()
+        except EmberError as exc:
+            raise Retry(f"an unreadable tensor answer: {exc.detail}") from exc
+        if array.shape[0] != rows:
+            raise Retry("a replica returned the wrong number of predictions")
+        return array
+    doc = pydantic_core.from_json(response.content)  # ~6x json.loads here
+    if not isinstance(doc, dict) or str(doc.get("version")) != run.version:
+        version = doc.get("version") if isinstance(doc, dict) else None
+        raise Retry(f"the answer came from version {version!r}")
+    predictions = doc.get("predictions")
+    if not isinstance(predictions, list) or len(predictions) != rows:
+        raise Retry("the answer has the wrong number of predictions")
+    return predictions
+
+
+def _joined(results: list[Any]) -> Any:
+    """The chunks' predictions in order: one array when every chunk is an array of one
+    row shape, else one list."""
+    arrays = results and all(isinstance(r, np.ndarray) for r in results)
+    if arrays and len({r.shape[1:] for r in results}) == 1:
+        return np.concatenate(results)
+    return [
+        p for chunk in results for p in (chunk.tolist() if isinstance(chunk, np.ndarray) else chunk)
+    ]
+
+
+def _output(run: BatchRun, keys: dict[str, Any], predictions: Any, at: datetime) -> Any:
     """The shard's output table: the key columns, ``prediction`` (a fixed-size list
     column when the predictions are numeric arrays of one shape; JSON text when they do
     not fit one Arrow type), ``model``, ``version``, ``artifact_sha256``, ``scored_at``."""
@@ -505,7 +640,8 @@ def _output(run: BatchRun, keys: dict[str, Any], predictions: list[Any], at: dat
     try:
         prediction = _prediction_column(predictions)
     except (pa.ArrowException, ValueError, TypeError, OverflowError):
-        prediction = pa.array([json.dumps(p) for p in predictions], pa.string())
+        rows = predictions.tolist() if isinstance(predictions, np.ndarray) else predictions
+        prediction = pa.array([json.dumps(p) for p in rows], pa.string())
     columns = dict(keys) | {
         "prediction": prediction,
         "model": pa.repeat(pa.scalar(run.model, pa.string()), n),
@@ -516,9 +652,16 @@ def _output(run: BatchRun, keys: dict[str, Any], predictions: list[Any], at: dat
     return pa.table(columns)
 
 
-def _prediction_column(predictions: list[Any]) -> Any:
+def _prediction_column(predictions: Any) -> Any:
     import pyarrow as pa
 
+    if isinstance(predictions, np.ndarray):  # tensor answers: the same column, no lists
+        if predictions.ndim == 1:
+            return pa.array(predictions)
+        column = pa.array(predictions.reshape(-1))
+        for size in reversed(predictions.shape[1:]):
+            column = pa.FixedSizeListArray.from_arrays(column, size)
+        return column
     if predictions and isinstance(predictions[0], list):
         try:
             array = np.asarray(predictions)
@@ -579,7 +722,13 @@ class Window:
         no change) as requests of ``batch`` instances."""
         if header is None or not header.isascii() or not header.isdigit() or len(header) > 9:
             return
-        size = max(1, min(MAX_WINDOW, int(header) // max(1, batch)))
+        self.resize_to(int(header), batch)
+
+    def resize_to(self, instances: int, batch: int) -> None:
+        """A window of ``instances`` (0: no change) as requests of ``batch`` instances."""
+        if instances <= 0:
+            return
+        size = max(1, min(MAX_WINDOW, instances // max(1, batch)))
         if size != self.size:
             with self.cond:
                 self.size = size

@@ -69,6 +69,8 @@ QUEUE_BATCHES = 4
 HEDGE_MIN_SAMPLES = 20
 HEDGE_WINDOW = 256
 WAIT_POLL_S = 0.02
+LANE_REFRESH_S = 1.0
+"""How long a batch worker may use a ``batch_lane`` answer before asking again."""
 
 
 @dataclass
@@ -521,6 +523,35 @@ class Gateway:
         routes = self.controller.routes((view.tenant_id, view.name), version)
         queue = len(routes) * QUEUE_BATCHES * view.policy.max_batch_size
         return max(view.policy.max_batch_size, int(class_share(Priority.batch, queue)))
+
+    def batch_lane(self, view: DeploymentView, version: str, sent: int) -> dict[str, Any]:
+        """Where batch workers may send ``version``'s batches themselves: its ready hot
+        replicas, each with the instances the batch class may keep in flight to it.
+        ``sent``: instances the
+        worker sent that way since it last asked, reported as admitted demand so the
+        autoscaler sees batch work it never routed. With no replica ready, a replica of
+        the version is asked for (``coming`` wakes a scale-to-zero deployment) and the
+        list is empty: the worker sends through ``:predict`` meanwhile, which waits."""
+        key = (view.tenant_id, view.name)
+        if sent > 0:
+            self.controller.record_demand(key, version, view.cost(version).cost(1) * sent, True)
+        now = time.monotonic()
+        routes = [r for r in self.controller.routes(key, version) if r.routable(now)]
+        if not routes:
+            self.controller.coming(key, version)
+        # A replica's whole queue bound (QUEUE_BATCHES batches), not the class's share of
+        # it that the gateway admits: the replica computes online instances before any
+        # batch ones, so a deep batch queue costs online traffic nothing, and it keeps the
+        # model busy through the worker's pauses (its GIL, its next shard's parsing).
+        window = QUEUE_BATCHES * view.policy.max_batch_size
+        return {
+            "model": view.model,
+            "deployment": view.name,
+            "version": version,
+            "max_batch_size": view.policy.max_batch_size,
+            "refresh_s": LANE_REFRESH_S,
+            "replicas": [{"id": r.replica_id, "url": r.url, "window": window} for r in routes],
+        }
 
     def candidates(
         self, view: DeploymentView, version: str, units: float, tried: set[str]

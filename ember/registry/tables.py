@@ -295,6 +295,14 @@ class BatchShard(SQLModel, table=True):
     input_uri: str = Field(max_length=2048)
     row_start: int
     row_end: int
+    input_etag: str | None = Field(default=None, max_length=256)
+    """The input object's etag when the run was planned: a shard refuses to read it changed."""
+    byte_start: int | None = Field(default=None, sa_type=BigInteger)
+    byte_end: int | None = Field(default=None, sa_type=BigInteger)
+    """A JSONL shard's lines as bytes ``[byte_start, byte_end)`` of the object (from the
+    planning's line index): its worker reads just those. None: the whole object."""
+    line_start: int | None = Field(default=None, sa_type=BigInteger)
+    """The file's line number (from 1) at ``byte_start``, for the rejects' reasons."""
     status: str = Field(default="queued", max_length=16, index=True)
     """queued | running | committed | failed"""
     attempts: int = 0

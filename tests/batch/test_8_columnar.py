@@ -98,6 +98,19 @@ CASES: dict[str, tuple[bytes, list[str], Any]] = {
                   {"shape": [4], "dtype": "int64"}),
     "strings schema": (each(lambda i: with_features(i, "text" if i % 3 else 3)), ID,
                        {"type": "string"}),
+    "duplicate names": (jsonl(['{"id": 1, "features": [1, 2, 3, 4], "features": [5, 6, 7, 8]}',
+                               with_features(2, V)]), ID, SCHEMA),
+    "object keys": (each(lambda i: {"id": {"n": i}, "features": V}), ID, SCHEMA),
+    "float keys and floats": (each(lambda i: {"id": i / 3, "features": [i / 7, 1e-30, 3e38, 0]}),
+                              ID, {"shape": [4], "dtype": "float64"}),
+    "big ints": (each(lambda i: with_features(i, [2**62 + i, -(2**63), 0, 1])), ID,
+                 {"shape": [4], "dtype": "int64"}),
+    "floats for ints": (each(lambda i: with_features(i, [1.5, 2, 3, 4])), ID,
+                        {"shape": [4], "dtype": "int64"}),
+    "int32": (each(lambda i: with_features(i, [2**40, 1, 2, 3])), ID,
+              {"shape": [4], "dtype": "int32"}),
+    "number as features": (each(lambda i: with_features(i, 1.5)), ID, SCHEMA),
+    "string keys": (each(lambda i: {"id": f"user-{i}", "features": V}), ID, SCHEMA),
     "no schema": (each(lambda i: with_features(i, {"a": i})), ID, None),
 }  # fmt: skip
 
@@ -117,6 +130,52 @@ def test_rows_are_counted_as_the_row_path_numbers_them(name: str) -> None:
     assert datasets.count_rows(data, "jsonl", "u") == len(
         datasets.parse_rows(data, "jsonl", "u", 0, 0)
     )
+
+
+def test_the_clean_vectors_take_simdjson_and_the_rest_do_not() -> None:
+    """The clean case of a rank-1 schema is read by ``_jsonl_vectors`` (and the test
+    above shows it reads what the row path reads); what it cannot vouch for is left to
+    the other paths."""
+    memo = datasets.Memo()
+
+    def vectors(name: str) -> Any:
+        data, keys, schema = CASES[name]
+        total = datasets.count_rows(data, "jsonl", "u")
+        return datasets._jsonl_vectors(data, 0, total, keys, "features", schema, memo)
+
+    for taken in (
+        "clean",
+        "blank lines",
+        "ints for floats",
+        "two keys",
+        "no keys",
+        "non-ascii keys",
+        "float keys and floats",
+        "big ints",
+        "string keys",
+    ):
+        assert vectors(taken) is not None, taken
+        memo = datasets.Memo()
+    for left in (
+        "bools",
+        "wrong lengths and nulls",
+        "missing column",
+        "null inside",
+        "strings inside",
+        "not json",
+        "missing and null keys",
+        "crlf",
+        "matrix",
+        "duplicate names",
+        "object keys",
+        "floats for ints",
+        "int32",
+        "number as features",
+        "strings schema",
+        "no schema",
+    ):
+        assert vectors(left) is None, left
+        memo = datasets.Memo()
 
 
 def test_the_clean_case_is_columnar() -> None:

@@ -1,18 +1,33 @@
 """The parts a worker's shards share: the input cache (one read per file), the window
-(first-started shards first) and the lean gateway client (a keep-alive connection the
-server closed is retried on a fresh one). No platform needed."""
+(first-started shards first), the lean gateway client (a keep-alive connection the
+server closed is retried on a fresh one) and the direct lane (replicas it cannot reach
+left out, the gateway behind it). No platform needed."""
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
-from ember.batch.client import GatewayClient, InputCache
-from ember.batch.shards import Window
+import numpy as np
+import pytest
+
+from ember.batch import datasets, plan
+from ember.batch.client import GatewayClient, InputCache, Lane
+from ember.batch.schemas import BatchSpec
+from ember.batch.shards import Lease, Retry, ShardRunner, Window
+from ember.config import Settings
+from ember.engine.tensorbody import TensorBody
+from ember.errors import ObjectChanged
 from ember.loader.stores import ObjectInfo
+from ember.registry.tables import BatchRun
+
+PROBLEM = "application/problem+json"
 
 
 def test_the_input_cache_reads_a_file_once_and_lets_go_of_it() -> None:
@@ -106,3 +121,166 @@ def test_the_gateway_client_retries_a_connection_closed_while_idle() -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+class Scripted(BaseHTTPRequestHandler):
+    """A gateway and replicas in one: ``routes[path]`` is ``(status, headers, body)``;
+    every request is kept as ``(path, body)``."""
+
+    protocol_version = "HTTP/1.1"
+    routes: dict[str, tuple[int, dict[str, str], bytes]] = {}
+    seen: list[tuple[str, bytes]] = []
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["content-length"]))
+        self.seen.append((self.path, body))
+        status, headers, answer = self.routes[self.path]
+        self.send_response(status)
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.send_header("content-length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_direct_lane_leaves_out_what_it_cannot_reach_and_falls_back_to_the_gateway() -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Scripted)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_port}"
+    dead = f"http://127.0.0.1:{closed_port()}"
+    predictions = np.arange(8, dtype=np.float64).reshape(4, 2)
+    tensor = TensorBody.of(predictions)
+
+    def lane_answer(*replicas: tuple[str, str]) -> tuple[int, dict[str, str], bytes]:
+        doc = {"replicas": [{"id": i, "url": u, "window": 128} for i, u in replicas],
+               "refresh_s": 30}  # fmt: skip
+        return 200, {"content-type": "application/json"}, json.dumps(doc).encode()
+
+    json_answer = json.dumps({"predictions": predictions.tolist(), "version": "1", "model": "m"})
+    Scripted.routes = {
+        "/v1/models/m/versions/1:batch-lane": lane_answer(("dead", dead), ("live", base)),
+        "/v1/models/m/versions/1:predict": (200, {}, json_answer.encode()),
+        "/infer": (200, {"content-type": tensor.content_type, "x-ember-version": "1"},
+                   tensor.data),
+    }  # fmt: skip
+    Scripted.seen = []
+    settings = Settings(jobs_api_url=base, jobs_api_key="ek_test-key-0123456789")  # type: ignore[arg-type]
+    runner = ShardRunner(settings, None, None)  # type: ignore[arg-type]
+    run = BatchRun(uid="br_1", model="m", version="1")
+    chunk = np.zeros((4, 3), np.float32)
+
+    def call(lane: Lane | None) -> Any:
+        lease = Lease(None, 1, "t", 30.0)  # type: ignore[arg-type]
+        return runner._call(run, "acme", chunk, lease, threading.Event(), Window(), 4, lane)
+
+    try:
+        lane = runner._lane("acme", run)
+        assert lane is not None
+        lane.refresh()
+        assert [t.replica_id for t in lane.targets] == ["dead", "live"]
+        got = call(lane)  # the dead one refuses the connection: left out, the live one answers
+        assert isinstance(got, np.ndarray) and np.array_equal(got, predictions)
+        assert [t.replica_id for t in lane.targets] == ["live"] and lane.sent == 4
+        paths = [p for p, _ in Scripted.seen]
+        assert paths == ["/v1/models/m/versions/1:batch-lane", "/infer"]
+        assert Scripted.seen[1][1] == TensorBody.of(chunk).data
+
+        # a replica that is not serving (503) is left out too; with none left, :predict
+        Scripted.routes["/infer"] = (503, {"content-type": PROBLEM}, b"{}")
+        assert call(lane) == predictions.tolist() and not lane.direct
+        assert [p for p, _ in Scripted.seen][-2:] == ["/infer", "/v1/models/m/versions/1:predict"]
+
+        # a replica of another version is never taken for this one
+        Scripted.routes["/infer"] = (200, {"content-type": tensor.content_type,
+                                           "x-ember-version": "2"}, tensor.data)  # fmt: skip
+        lane.expires = 0.0  # the next call asks the gateway again, reporting what it sent
+        with pytest.raises(Retry, match="version '2'"):
+            call(lane)
+        report = next(b for p, b in reversed(Scripted.seen) if p.endswith(":batch-lane"))
+        assert json.loads(report) == {"sent": 4}
+
+        # EMBER_BATCH_DIRECT=false: no lane at all
+        off = ShardRunner(Settings(jobs_api_url=base, batch_direct=False), None, None)  # type: ignore[arg-type]
+        assert off._lane("acme", run) is None
+        off.close()
+    finally:
+        runner.close()
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_jsonl_shard_reads_its_own_bytes_and_refuses_a_changed_input(tmp_path: Path) -> None:
+    """Planning gives each JSONL shard its byte range and the input's etag; the worker
+    reads just those bytes and gets what reading the whole file gives (the same rows,
+    rejects numbered in the file); an input changed since planning is refused."""
+    rows: list[Any] = [
+        {"id": i, "features": [0.5, 1.0, float(i), -2.0]} for i in range(23)
+    ]  # fmt: skip
+    rows[4] = {"id": 4, "features": [1.0]}  # wrong length: a reject
+    rows[17] = "{not json"
+    path = tmp_path / "in.jsonl"
+    text = "".join((r if isinstance(r, str) else json.dumps(r)) + "\n\n" for r in rows)
+    path.write_text(text)
+    settings = Settings(data_dir=tmp_path / "data", file_roots=[tmp_path])  # type: ignore[call-arg]
+    spec = BatchSpec(model="m", input_uri=path.as_uri(), output_uri=(tmp_path / "o").as_uri(),
+                     shard_rows=10)  # fmt: skip
+    schema = {"shape": [4], "dtype": "float32"}
+    shards = plan.plan_shards(settings, spec, path.as_uri())
+    assert [(s.row_start, s.row_end) for s in shards] == [(0, 10), (10, 20), (20, 23)]
+    assert all(s.input_etag and s.byte_start is not None for s in shards)
+    assert shards[0].byte_start == 0 and shards[-1].byte_end == len(text) - 2  # blank lines out
+    runner = ShardRunner(settings, None, None)  # type: ignore[arg-type]
+    data = path.read_bytes()
+    try:
+        for shard in shards:
+            ranged = runner._read(shard, "jsonl", spec, schema)
+            whole = datasets.read_shard(data, "jsonl", path.as_uri(), shard.row_start,
+                                        shard.row_end, ["id"], "features", schema)  # fmt: skip
+            assert ranged.total == whole.total and ranged.rejects == whole.rejects
+            assert ranged.keys["id"].to_pylist() == whole.keys["id"].to_pylist()
+            assert np.array_equal(ranged.instances, whole.instances)
+        assert [
+            r["row"] for s in shards for r in runner._read(s, "jsonl", spec, schema).rejects
+        ] == [
+            4,
+            17,
+        ]
+        path.write_text(text.replace('"id": 12,', '"id": 99,'))  # same length, new bytes
+        with pytest.raises(ObjectChanged):
+            runner._read(shards[1], "jsonl", spec, schema)
+        whole_file = shards[1].model_copy(update={"byte_start": None, "byte_end": None})
+        with pytest.raises(ObjectChanged):  # a shard read whole checks the etag too
+            runner._read(whole_file, "jsonl", spec, schema)
+    finally:
+        runner.close()
+
+
+def test_a_lane_takes_only_what_it_can_use_from_the_gateway() -> None:
+    lane = Lane(GatewayClient("http://127.0.0.1:1", {}), "acme", "m", "1")
+    lane._adopt(
+        [
+            {"id": "ftp", "url": "ftp://127.0.0.1/x", "window": 64},
+            {"id": "nowin", "url": "http://127.0.0.1:2", "window": "many"},
+            {"url": "http://127.0.0.1:3", "window": 64},
+            {"id": "ok", "url": "http://127.0.0.1:4", "window": 0},
+        ]
+    )
+    assert [(t.replica_id, t.window) for t in lane.targets] == [("ok", 1)]
+    first = lane.take()
+    assert first is not None and first.inflight == 1 and lane.window() == 1
+    lane._adopt([{"id": "ok", "url": "http://127.0.0.1:4", "window": 128}])
+    assert lane.targets == [first] and first.window == 128  # the same target, in flight
+    lane.done(first, 64, ok=True)
+    assert first.inflight == 0 and lane.sent == 64
+    lane._adopt([{"id": "new", "url": "http://127.0.0.1:5", "window": 128}])
+    assert list(lane.clients) == ["http://127.0.0.1:5"]  # the gone replica's client closed
+    lane.close()

@@ -15,7 +15,14 @@ import httpx
 import numpy as np
 
 from ember.engine.tensorbody import MEDIA_TYPE, TensorBody
+from ember.pools.admission import Admission
+from ember.pools.backends.base import ReplicaHandle
+from ember.pools.controller import DeploymentView, ManagedReplica, PoolsController
+from ember.pools.gateway import Gateway
+from ember.pools.router import Route
+from ember.registry.schemas import PoolPolicy
 from tests.gateway.conftest import Live, X, deploy
+from tests.pools.test_controller_autoscale import FakeBackend
 
 PROBLEM = "application/problem+json"
 
@@ -108,3 +115,75 @@ def test_batch_tensor_traffic_keeps_to_its_share_while_online_goes_first(live: L
         online = live.client.post(path, json={"instances": [X] * 4})
         assert online.status_code == 200, online.text
         assert all(f.result().status_code == 200 for f in running)
+
+
+def test_the_batch_lane_names_the_replicas_a_worker_may_post_to(live: Live) -> None:
+    live.register("mlp", "1")
+    deploy(live, "mlp", max_batch_size=8, placement={"threads": 1})
+    # the local backend starts the replica with the placement's model threads
+    (replica,) = live.ready("mlp")
+    argv = Path(f"/proc/{replica['pid']}/cmdline").read_bytes().split(b"\0")
+    assert argv[argv.index(b"--threads") + 1] == b"1"
+    lane = live.client.post("/v1/models/mlp/versions/1:batch-lane", json={"sent": 0})
+    assert lane.status_code == 200, lane.text
+    doc = lane.json()
+    assert doc["model"] == "mlp" and doc["version"] == "1" and doc["max_batch_size"] == 8
+    assert {r["url"] for r in doc["replicas"]} == {r["url"] for r in live.ready("mlp")}
+    assert all(r["window"] == 32 for r in doc["replicas"])  # the replica's 4 batches of 8
+    # there, a tensor in and a tensor out, from the version asked for
+    body = TensorBody.of(np.ones((8, 256), np.float32))
+    direct = httpx.post(
+        f"{doc['replicas'][0]['url']}/infer",
+        content=body.data,
+        headers={"content-type": body.content_type, "x-ember-priority": "batch",
+                 "accept": MEDIA_TYPE},
+    )  # fmt: skip
+    assert direct.status_code == 200 and direct.headers["x-ember-version"] == "1"
+    assert direct.headers["content-type"].startswith(f"{MEDIA_TYPE}; dtype=float64; shape=8,16")
+    for path, payload, status in [
+        ("/v1/models/mlp/versions/9:batch-lane", {}, 404),  # a version it does not serve
+        ("/v1/models/nope/versions/1:batch-lane", {}, 404),
+        ("/v1/models/mlp/versions/1:batch-lane", {"sent": -1}, 422),
+        ("/v1/models/mlp/versions/1:batch-lane", {"sent": "many"}, 422),
+        ("/v1/models/mlp/versions/1:batch-lane", {"sent": 1, "extra": 2}, 422),
+    ]:
+        answer = live.client.post(path, json=payload)
+        assert answer.status_code == status, (path, payload, answer.text)
+        assert answer.headers["content-type"] == PROBLEM
+    broken = live.client.post(
+        "/v1/models/mlp/versions/1:batch-lane",
+        content=b'{"sent": ',
+        headers={"content-type": "application/json"},
+    )
+    assert broken.status_code in (400, 422) and broken.headers["content-type"] == PROBLEM
+    anonymous = httpx.post(f"{live.client.base_url}/v1/models/mlp/versions/1:batch-lane", json={})
+    assert anonymous.status_code == 401
+
+
+def test_the_batch_lane_reports_what_was_sent_and_leaves_out_what_cannot_serve() -> None:
+    """In process: the instances a worker sent directly are the autoscaler's demand; an
+    ejected replica, a warm one and another version's are not in the lane; with none
+    ready the lane is empty (and a replica is asked for)."""
+    controller = PoolsController(None, FakeBackend(), standby_pool=0)  # type: ignore[arg-type]
+    view = DeploymentView(1, "mlp", "mlp", {"1": 100}, PoolPolicy(max_batch_size=16),
+                          {"1": {}, "2": {}}, [])  # fmt: skip
+    controller.deployments[(1, "mlp")] = view
+    for rid, version, tier, ejected in [
+        ("hot", "1", "hot", 0.0),
+        ("ejected", "1", "hot", time.monotonic() + 60),
+        ("warm", "1", "warm", 0.0),
+        ("other", "2", "hot", 0.0),
+    ]:
+        url = f"http://127.0.0.1:1/{rid}"
+        replica = ManagedReplica(ReplicaHandle(rid, url), (1, "mlp"), "mlp", version,
+                                 state="ready", tier=tier)  # fmt: skip
+        replica.route = Route(rid, url, version, ejected_until=ejected)
+        controller.replicas[rid] = replica
+    gateway = Gateway(controller, Admission(1e9, 1e9), 0.1)
+    lane = gateway.batch_lane(view, "1", sent=40)
+    assert [r["id"] for r in lane["replicas"]] == ["hot"] and lane["replicas"][0]["window"] == 64
+    assert controller.demand[((1, "mlp"), "1")] == [40.0, 40.0]  # one unit a row, uncalibrated
+    gateway.batch_lane(view, "1", sent=0)
+    assert controller.demand[((1, "mlp"), "1")] == [40.0, 40.0]
+    del controller.replicas["hot"]
+    assert gateway.batch_lane(view, "1", sent=0)["replicas"] == []

@@ -17,7 +17,7 @@ from ember.api.problems import DATA_PLANE_RESPONSES
 from ember.engine.spec import Priority
 from ember.engine.tensorbody import TIMEOUT_HEADER, is_tensor, timeout_header
 from ember.engine.tensorbody import parse as parse_tensor
-from ember.errors import InvalidInput, NotReady
+from ember.errors import InvalidInput, NotFound, NotReady
 from ember.pools.gateway import Gateway, Instances, Prediction
 from ember.registry import deployments
 from ember.registry.schemas import NAME_PATTERN, VERSION_PATTERN
@@ -252,6 +252,59 @@ async def predict_version(
     x_ember_session: Annotated[str | None, Header(max_length=SESSION_MAX)] = None,
 ) -> Response:
     return await _predict(request, principal, name, body, version, x_ember_session)
+
+
+class LaneRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    sent: int = Field(
+        0, ge=0, le=10**12, description="Instances sent to the replicas directly since the "
+        "last call (reported as demand)."
+    )  # fmt: skip
+
+
+class LaneReplica(BaseModel):
+    id: str
+    url: str
+    window: int = Field(description="Instances the batch class may keep in flight to it.")
+
+
+class LaneResponse(BaseModel):
+    model: str
+    deployment: str
+    version: str
+    max_batch_size: int
+    refresh_s: float = Field(description="Ask again after this long.")
+    replicas: list[LaneReplica]
+
+
+@router.post(
+    "/v1/models/{name}/versions/{version}:batch-lane",
+    summary="Where batch workers send one version's batches",
+    response_model=LaneResponse,
+)
+def batch_lane(
+    name: ModelName,
+    version: VersionRef,
+    body: LaneRequest,
+    request: Request,
+    principal: PrincipalDep,
+) -> dict[str, Any]:
+    """The batch lane's direct route: the version's ready replicas and the batch class's
+    window on each. A batch worker posts its batches (tensor bodies, ``X-Ember-Priority:
+    batch``) to their ``/infer`` itself, so the gateway neither carries nor re-encodes
+    them; replicas still serve online traffic first. ``sent`` reports what it sent that
+    way since its last call, as demand for the autoscaler. An empty list: no replica is
+    ready yet (one is asked for); send through ``:predict`` meanwhile."""
+    gateway = gateway_of(request)
+    view = gateway.deployment_for(principal.tenant_id, name)
+    if version not in view.specs:
+        raise NotFound(
+            f"deployment {view.name!r} does not serve version {version!r} of {name!r}",
+            model=name,
+            version=version,
+        )
+    return gateway.batch_lane(view, version, body.sent)
 
 
 @router.get("/v1/deployments/{name}/replicas", summary="A deployment's replicas")
