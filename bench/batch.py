@@ -2,28 +2,39 @@
 endpoint row by row and (b) the engine's own max batched throughput.
 
 One ``ember serve`` (pools on, one hot replica of the MLP example, ``--batch`` rows per
-forward pass), a private Redis and one ``ember worker`` (``--concurrency`` threads). On
-the same replica:
+forward pass), a private Redis and one ``ember worker`` (``--concurrency`` threads). The
+MLP is deployed twice, one after the other (the first deleted and its replica gone
+before the second starts): with the default threads, then with ``--batch-threads`` for
+the batch run. Phases:
 
-- **row by row**: ``--row-calls`` sequential ``POST /v1/models/mlp:predict`` calls, one
-  instance each (what a naive nightly script does);
+- **row by row**: ``--row-calls`` sequential ``POST /v1/models/{model}:predict`` calls,
+  one instance each (what a naive nightly script does), on the deployment with its
+  default threads;
 - **engine max**: ``POST /infer`` straight to the replica with full batches of
   ``--batch`` instances, from ``--streams`` concurrent clients (no gateway, no queue), in
   both request forms the replica takes: JSON (``{"instances": [...]}``) and a tensor
-  body (``application/x-ember-tensor``, the batch lane's form); the better of the two is
-  the engine max the batch run is compared with. The tensor form is measured before and
-  again after the batch run and averaged: this machine's speed drifts by tens of per cent
-  within minutes;
+  body (``application/x-ember-tensor``, the batch lane's form, with a tensor answer).
+  Measured with the deployment's default threads (the host's CPU budget) and again
+  with ``--batch-threads`` (default: cores - 1), the setting the batch run uses: the
+  engine max the batch run is compared with is the best of all of them. The tensor
+  form with ``--batch-threads`` is measured before and again after the batch run and
+  averaged: this machine's speed drifts by tens of per cent within minutes;
 - **gateway max**: the same full batches as tensor bodies through the gateway's
   ``:predict`` at the ``batch`` priority, as many at once as the gateway's
-  ``X-Ember-Batch-Window`` allows the batch class (2 per replica): the data-plane
-  ceiling the workers are under;
+  ``X-Ember-Batch-Window`` allows the batch class (2 per replica): the ceiling of the
+  path a worker falls back to when it cannot reach the replicas;
 - **batch run**: ``POST /v1/batch/runs`` over a JSONL file of ``--rows`` rows, shards of
   ``--shard-rows``, ``--parallel`` shards at once; rows / (finished_at - started_at),
-  which includes planning, reading the input and writing the Parquet output (polled
-  every 0.5 s, as ``ember batch run --wait`` polls). A run costs about a second that does
-  not grow with its rows (planning, dispatch, the last shard's tail): 100 000 rows by
-  default, a small nightly dataset; at 20 000 that second is a fifth of the run.
+  which includes reading the input and writing the Parquet output (polled every 0.5 s,
+  as ``ember batch run --wait`` polls). The worker sends the batches straight to the
+  replica (the gateway's ``:batch-lane``), tensor bodies in, tensor answers out. A run
+  costs about a second that does not grow with its rows (dispatch, the first shard's
+  read, the last shard's tail): 100 000 rows by default, a small nightly dataset.
+
+Why ``--batch-threads``: on a 2-core host a replica whose model uses both cores fights
+its own HTTP loop and the worker beside it for them (a forward thread preempted mid
+GEMM stalls the other at the barrier); with one model thread the engine max is the
+same here at ~60 % of the CPU, and the other core is left to the worker and the loop.
 
 Under the table, the CPU each process spent per 1000 rows in each phase (API, replica,
 worker, this bench's clients), read from ``/proc``: on a shared machine the wall clock
@@ -32,7 +43,7 @@ swings with the neighbours, this does much less.
 Side by side; the last line is one JSON object with ``batch_vs_engine_max`` and
 ``batch_vs_row_by_row``.
 
-    python bench/batch.py [--rows 100000] [--batch 64] [--parallel 4]
+    python bench/batch.py [--rows 100000] [--batch 64] [--parallel 4] [--batch-threads 1]
 """
 
 from __future__ import annotations
@@ -100,19 +111,21 @@ class CpuMeter:
         return {r: round((after[r] - before[r]) * 1e6 / rows, 1) for r in self.roles}
 
 
-def row_by_row(client: httpx.Client, calls: int) -> float:
+def row_by_row(client: httpx.Client, model: str, calls: int) -> float:
     t0 = time.perf_counter()
     for _ in range(calls):
-        client.post("/v1/models/mlp:predict", json={"instances": [X]}).raise_for_status()
+        client.post(f"/v1/models/{model}:predict", json={"instances": [X]}).raise_for_status()
     return calls / (time.perf_counter() - t0)
 
 
 def tensor(batch: int) -> tuple[bytes, dict[str, str]]:
-    """A full batch as a tensor body, and its headers."""
-    from ember.engine.tensorbody import TensorBody
+    """A full batch as a tensor body, and its headers (a tensor answer asked for: what
+    the replica answers fastest, and what a batch worker asks for)."""
+    from ember.engine.tensorbody import MEDIA_TYPE, TensorBody
 
     body = TensorBody.of(np.asarray([X] * batch, dtype=np.float32))
-    return body.data, {"Content-Type": body.content_type, "X-Ember-Priority": "batch"}
+    headers = {"Content-Type": body.content_type, "X-Ember-Priority": "batch"}
+    return body.data, headers | {"Accept": MEDIA_TYPE}
 
 
 def engine_max(url: str, batch: int, streams: int, calls: int, binary: bool) -> float:
@@ -176,6 +189,12 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4, help="Worker threads.")
     parser.add_argument("--row-calls", type=int, default=300)
     parser.add_argument("--streams", type=int, default=4, help="Clients for engine max.")
+    parser.add_argument(
+        "--batch-threads",
+        type=int,
+        default=max(1, (os.cpu_count() or 2) - 1),
+        help="The replica's model threads for the batch run (0: the deployment's default).",
+    )
     args = parser.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="ember-bench-batch-"))
@@ -200,49 +219,50 @@ def main() -> None:
         from ember.engine.examples.mlp import ENGINE_CONFIG, INPUT_SCHEMA, build_mlp_artifact
 
         artifact = build_mlp_artifact(tmp / "data" / "objects" / "mlp" / "model.safetensors")
-        client.post("/v1/models", json={"name": "mlp"}).raise_for_status()
-        client.post(
-            "/v1/models/mlp/versions",
-            json={
-                "version": "1",
-                "artifact_uri": artifact.as_uri(),
-                "engine": "torch",
-                "engine_config": ENGINE_CONFIG,
-                "input_schema": INPUT_SCHEMA,
-            },
-        ).raise_for_status()
-        client.post(
-            "/v1/deployments",
-            json={"model": "mlp", "version": "1", "max_replicas": 1, "max_batch_size": args.batch},
-        ).raise_for_status()
 
-        def ready() -> bool:
-            replicas = client.get("/v1/deployments/mlp/replicas").json()["replicas"]
-            return any(r["state"] == "ready" for r in replicas)
+        def deploy(model: str, threads: int) -> tuple[str, int]:
+            """Register ``model`` (the MLP artifact) and deploy it with ``threads`` model
+            threads (0: the default); its ready replica's URL and pid."""
+            client.post("/v1/models", json={"name": model}).raise_for_status()
+            client.post(
+                f"/v1/models/{model}/versions",
+                json={"version": "1", "artifact_uri": artifact.as_uri(), "engine": "torch",
+                      "engine_config": ENGINE_CONFIG, "input_schema": INPUT_SCHEMA},
+            ).raise_for_status()  # fmt: skip
+            placement = {"placement": {"threads": threads}} if threads else {}
+            client.post(
+                "/v1/deployments",
+                json={"model": model, "version": "1", "max_replicas": 1,
+                      "max_batch_size": args.batch, **placement},
+            ).raise_for_status()  # fmt: skip
 
-        wait_until(ready, 180, "the mlp replica")
-        replica = next(
-            r["url"]
-            for r in client.get("/v1/deployments/mlp/replicas").json()["replicas"]
-            if r["state"] == "ready"
-        )
+            def ready() -> list[dict[str, object]]:
+                replicas = client.get(f"/v1/deployments/{model}/replicas").json()["replicas"]
+                return [r for r in replicas if r["state"] == "ready"]
+
+            wait_until(lambda: bool(ready()), 180, f"the {model} replica")
+            return str(ready()[0]["url"]), int(str(ready()[0]["pid"]))
+
+        # The default threads first (the naive loop's deployment, and its engine max), then
+        # the batch run's deployment alone (the first one deleted and its replica gone).
+        first = "mlp-default" if args.batch_threads else "mlp"
+        replica, replica_pid = deploy(first, 0)
         worker_log = tmp / "worker.log"
         procs.append(spawn([EMBER, "worker"], env | {"EMBER_LOG_LEVEL": "INFO"}, worker_log))
         wait_until(lambda: b"ready" in worker_log.read_bytes(), 60, "the worker")
 
         serve = procs[0].pid
-        engines = [p for p in descendants(serve) if b"engine" in _cmdline(p)]
         meter = CpuMeter(
             {
                 "api": [serve],
-                "replica": engines,
+                "replica": [replica_pid],
                 "worker": [procs[1].pid, *descendants(procs[1].pid)],
                 "bench": [os.getpid()],
             }
         )
         cpu: dict[str, dict[str, float]] = {}
-        row_by_row(client, 20)  # warm-up
-        rr = row_by_row(client, args.row_calls)
+        row_by_row(client, first, 20)  # warm-up
+        rr = row_by_row(client, first, args.row_calls)
         calls = max(10, args.rows // args.batch // 4)
         engine_max(replica, args.batch, args.streams, 5, binary=False)  # warm-up
         before = meter.snapshot()
@@ -250,11 +270,22 @@ def main() -> None:
         cpu["engine max, JSON"] = meter.per_krows(before, calls * args.streams * args.batch)
         engine_max(replica, args.batch, args.streams, 5, binary=True)  # warm-up
         before = meter.snapshot()
-        em_binary = engine_max(replica, args.batch, args.streams, calls, binary=True)
+        em_default = engine_max(replica, args.batch, args.streams, calls, binary=True)
         cpu["engine max, tensor"] = meter.per_krows(before, calls * args.streams * args.batch)
+        if args.batch_threads:
+            client.delete(f"/v1/deployments/{first}").raise_for_status()
+            wait_until(lambda: not Path(f"/proc/{replica_pid}").exists(), 60, "its replica's end")
+            replica, replica_pid = deploy("mlp", args.batch_threads)
+            meter.roles["replica"] = [replica_pid]
+            engine_max(replica, args.batch, args.streams, 5, binary=True)  # warm-up
         before = meter.snapshot()
         gm, gateway_rows = gateway_max(client, args.batch, calls)
         cpu["gateway max"] = meter.per_krows(before, gateway_rows)
+        before = meter.snapshot()
+        em_binary = engine_max(replica, args.batch, args.streams, calls, binary=True)
+        cpu[f"engine max, {args.batch_threads or 'default'} thr"] = meter.per_krows(
+            before, calls * args.streams * args.batch
+        )
 
         data = tmp / "data" / "objects" / "batch" / "in.jsonl"
         data.parent.mkdir(parents=True, exist_ok=True)
@@ -293,7 +324,7 @@ def main() -> None:
         # per cent within minutes, so the batch run is compared with the mean of the two.
         em_after = engine_max(replica, args.batch, args.streams, calls, binary=True)
         em_binary_mean = (em_binary + em_after) / 2
-        em = max(em_json, em_binary_mean)
+        em = max(em_json, em_default, em_binary_mean)
     finally:
         stop(procs)
         redis_proc.terminate()
@@ -304,15 +335,17 @@ def main() -> None:
         f"\nBatch scoring, MLP example, 1 replica (max_batch_size {args.batch}), "
         f"{args.rows} rows in shards of {args.shard_rows}, {args.parallel} at once"
     )
+    threads = args.batch_threads or "default"
     header = (
         f"{'row by row (online)':>20} | {'engine max, JSON':>17} | {'engine max, tensor':>19} | "
-        f"{'gateway max (:predict)':>22} | {'batch run':>14}"
+        f"{f'engine max, {threads} thr':>19} | {'gateway max (:predict)':>22} | "
+        f"{'batch run':>14}"
     )
     print(header)
     print("-" * len(header))
     print(
-        f"{rr:>13.1f} rows/s | {em_json:>10.1f} rows/s | {em_binary_mean:>12.1f} rows/s | "
-        f"{gm:>15.1f} rows/s | {br:>7.1f} rows/s"
+        f"{rr:>13.1f} rows/s | {em_json:>10.1f} rows/s | {em_default:>12.1f} rows/s | "
+        f"{em_binary_mean:>12.1f} rows/s | {gm:>15.1f} rows/s | {br:>7.1f} rows/s"
     )
     roles = list(next(iter(cpu.values())))
     print("\nCPU ms per 1000 rows, by process (wall clock aside: where each phase's CPU went)")
@@ -324,9 +357,11 @@ def main() -> None:
         "rows": args.rows,
         "max_batch_size": args.batch,
         "row_by_row_rows_per_s": round(rr, 1),
+        "batch_threads": args.batch_threads,
         "engine_max_json_rows_per_s": round(em_json, 1),
-        "engine_max_tensor_rows_per_s": round(em_binary_mean, 1),
-        "engine_max_tensor_before_after": [round(em_binary, 1), round(em_after, 1)],
+        "engine_max_tensor_rows_per_s": round(em_default, 1),
+        "engine_max_batch_threads_rows_per_s": round(em_binary_mean, 1),
+        "engine_max_batch_threads_before_after": [round(em_binary, 1), round(em_after, 1)],
         "engine_max_rows_per_s": round(em, 1),
         "gateway_max_rows_per_s": round(gm, 1),
         "batch_vs_gateway_max": round(br / gm, 3),
