@@ -28,8 +28,8 @@ the batch run. Phases:
   which includes reading the input and writing the Parquet output (polled every 0.5 s,
   as ``ember batch run --wait`` polls). The worker sends the batches straight to the
   replica (the gateway's ``:batch-lane``), tensor bodies in, tensor answers out. A run
-  costs about a second that does not grow with its rows (dispatch, the first shard's
-  read, the last shard's tail): 100 000 rows by default, a small nightly dataset.
+  costs 0.4-0.6 s that do not grow with its rows (dispatch, the first shard's read and
+  parse, the last shard's tail): 100 000 rows by default, a small nightly dataset.
 
 Why ``--batch-threads``: on a 2-core host a replica whose model uses both cores fights
 its own HTTP loop and the worker beside it for them (a forward thread preempted mid

@@ -128,12 +128,9 @@ def plan_shards(settings: Settings, spec: BatchSpec, input_uri: str) -> list[Bat
     shards: list[BatchShard] = []
     for info in files:
         fmt = datasets.detect_format(info.uri, spec.format)
-        lines = None
         try:
             data = datasets.read_object(settings, info)
-            if fmt == "jsonl":  # the line index also gives each shard its bytes
-                lines = datasets.jsonl_lines(data)
-            rows = len(lines) if lines is not None else datasets.count_rows(data, fmt, info.uri)
+            rows, lines = datasets.row_index(data, fmt, info.uri)  # lines: each shard's bytes
         except LoaderError as exc:
             raise InvalidInput(f"input_uri: {exc.detail}", input_uri=info.uri) from exc
         counted_to, lines_before = 0, 0  # physical lines before a shard's first byte

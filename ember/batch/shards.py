@@ -653,25 +653,21 @@ def _output(run: BatchRun, keys: dict[str, Any], predictions: Any, at: datetime)
 
 
 def _prediction_column(predictions: Any) -> Any:
+    """A fixed-size list column for numeric arrays of one shape (a tensor answer, or
+    lists that make one), else whatever pyarrow makes of the values."""
     import pyarrow as pa
 
-    if isinstance(predictions, np.ndarray):  # tensor answers: the same column, no lists
-        if predictions.ndim == 1:
-            return pa.array(predictions)
-        column = pa.array(predictions.reshape(-1))
-        for size in reversed(predictions.shape[1:]):
-            column = pa.FixedSizeListArray.from_arrays(column, size)
-        return column
-    if predictions and isinstance(predictions[0], list):
+    array = predictions if isinstance(predictions, np.ndarray) else None
+    if array is None and predictions and isinstance(predictions[0], list):
         try:
             array = np.asarray(predictions)
         except ValueError:  # ragged
             array = None
-        if array is not None and array.ndim >= 2 and array.dtype.kind in "biuf":
-            column = pa.array(array.reshape(-1))
-            for size in reversed(array.shape[1:]):
-                column = pa.FixedSizeListArray.from_arrays(column, size)
-            return column
+    if array is not None and array.ndim >= 2 and array.dtype.kind in "biuf":
+        column = pa.array(array.reshape(-1))
+        for size in reversed(array.shape[1:]):
+            column = pa.FixedSizeListArray.from_arrays(column, size)
+        return column
     return pa.array(predictions)
 
 

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -147,11 +148,12 @@ def run_worker(
         runner.close()
 
 
-def _freeze_when_ready() -> None:
+def _freeze_when_ready() -> Callable[..., None]:
     """Once Celery has booted, move every object the worker made so far (its imports:
     Celery, SQLAlchemy, pyarrow, boto3's service models) out of the collector's way
     (``gc.freeze``). A full collection scanned them all: ~100k objects, 240 ms with the
-    GIL held, which stopped every shard's calls (the model idle) once a batch run."""
+    GIL held, which stopped every shard's calls (the model idle) once a batch run.
+    Returns the signal's receiver."""
     from celery.signals import worker_ready
 
     def freeze(**_: Any) -> None:
@@ -159,6 +161,7 @@ def _freeze_when_ready() -> None:
         gc.freeze()
 
     worker_ready.connect(freeze, weak=False)
+    return freeze
 
 
 def _watch_parent(parent: int) -> None:

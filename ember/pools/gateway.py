@@ -532,6 +532,8 @@ class Gateway:
         autoscaler sees batch work it never routed. With no replica ready, a replica of
         the version is asked for (``coming`` wakes a scale-to-zero deployment) and the
         list is empty: the worker sends through ``:predict`` meanwhile, which waits."""
+        if version not in view.specs:  # as ``predict`` refuses it
+            raise NotFound(f"version {version!r} is not served by deployment {view.name!r}")
         key = (view.tenant_id, view.name)
         if sent > 0:
             self.controller.record_demand(key, version, view.cost(version).cost(1) * sent, True)

@@ -17,7 +17,7 @@ from ember.api.problems import DATA_PLANE_RESPONSES
 from ember.engine.spec import Priority
 from ember.engine.tensorbody import TIMEOUT_HEADER, is_tensor, timeout_header
 from ember.engine.tensorbody import parse as parse_tensor
-from ember.errors import InvalidInput, NotFound, NotReady
+from ember.errors import InvalidInput, NotReady
 from ember.pools.gateway import Gateway, Instances, Prediction
 from ember.registry import deployments
 from ember.registry.schemas import NAME_PATTERN, VERSION_PATTERN
@@ -298,12 +298,6 @@ def batch_lane(
     ready yet (one is asked for); send through ``:predict`` meanwhile."""
     gateway = gateway_of(request)
     view = gateway.deployment_for(principal.tenant_id, name)
-    if version not in view.specs:
-        raise NotFound(
-            f"deployment {view.name!r} does not serve version {version!r} of {name!r}",
-            model=name,
-            version=version,
-        )
     return gateway.batch_lane(view, version, body.sent)
 
 
