@@ -244,3 +244,22 @@ def test_output_columns() -> None:
     assert mixed.column("prediction").to_pylist() == ['{"a": 1}', '[1, "x"]']
     ragged = _output(run, keys, [[1.0], [1.0, None]], at)
     assert ragged.column("prediction").to_pylist() == [[1.0], [1.0, None]]
+
+
+@pytest.mark.parametrize("block", [1, 7, 64])
+def test_line_offsets_do_not_depend_on_the_scan_blocks(
+    block: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``jsonl_lines`` scans in blocks: a line break or an odd byte on either side of a
+    block's edge counts as in one pass over the whole file."""
+    whole = {name: datasets.jsonl_lines(CASES[name][0]) for name in CASES}
+    monkeypatch.setattr(datasets, "_BLOCK", block)
+    for name, (data, _, _) in CASES.items():
+        lines = datasets.jsonl_lines(data)
+        expected = whole[name]
+        assert (lines is None) == (expected is None), name
+        if lines is not None:
+            assert np.array_equal(lines, expected), name
+            assert len(lines) == len(datasets.parse_rows(data, "jsonl", "u", 0, 0)), name
+    late_cr = jsonl([with_features(i, V) for i in range(20)]) + b'{"id": 1}\r\n'
+    assert datasets.jsonl_lines(late_cr) is None  # past the first blocks: still seen
