@@ -3,7 +3,7 @@
 Predict is idempotent, so a request whose replica died (connection refused or reset) or
 shed it (429/503) is tried once more on another replica if the retry budget allows; with
 ``hedge`` on, a request still unanswered after the version's p95 latency gets a second copy
-on another replica (from the same budget) and the first answer wins.
+on another replica (from the same budget, never from its reserve) and the first answer wins.
 
 When the model cannot answer — overloaded, past its deadline, failing or without a ready
 replica — a deployment with a ladder degrades instead of failing, rung by rung:
@@ -658,7 +658,7 @@ class Gateway:
         (within the retry budget); the first good answer wins and the other is cancelled."""
         first = asyncio.create_task(self._send(route, payload, headers, units, remaining_s))
         done, _ = await asyncio.wait({first}, timeout=hedge_after)
-        if done or not others or not self.budget.try_withdraw():
+        if done or not others or not self.budget.try_withdraw(hedge=True):
             return await first, route, False
         second_route = pick_replica(others)
         tried.add(second_route.replica_id)

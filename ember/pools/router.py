@@ -4,8 +4,8 @@ Among READY replicas of the chosen version, the least in-flight model units wins
 session key, consistent hashing with bounded load keeps a key on one replica until that
 replica carries more than ``load_bound`` x the average (then the key walks the ring).
 Replicas that fail repeatedly are ejected for a while (circuit breaker). Retries of
-failed requests draw from a retry budget (at most ~10 % of requests), so retries cannot
-multiply an outage.
+failed requests and hedges draw from a retry budget (at most ~10 % of requests), so retries
+cannot multiply an outage; hedges cannot spend its reserve.
 """
 
 from __future__ import annotations
@@ -82,7 +82,12 @@ def pick_replica(
 @dataclass
 class RetryBudget:
     """Finagle-style: each request deposits ``ratio`` of a retry, each retry withdraws one;
-    a small reserve lets a quiet service retry at all."""
+    a small reserve lets a quiet service retry at all.
+
+    A hedge (a speculative copy of a request that is merely slow) spends only what requests
+    earned above the reserve: a run of slow answers cannot use up the retries that a request
+    whose replica died needs (a hedged stuck replica, killed by its health probes, fails the
+    request it still holds; that request is retried from the reserve)."""
 
     ratio: float = 0.1
     reserve: float = 3.0
@@ -91,8 +96,9 @@ class RetryBudget:
     def deposit(self) -> None:
         self.balance = min(self.balance + self.ratio, self.reserve + 100 * self.ratio)
 
-    def try_withdraw(self) -> bool:
-        if self.balance >= 1.0:
+    def try_withdraw(self, *, hedge: bool = False) -> bool:
+        floor = self.reserve if hedge else 0.0
+        if self.balance - 1.0 >= floor - 1e-9:  # deposits of 0.1 do not sum exactly
             self.balance -= 1.0
             return True
         return False

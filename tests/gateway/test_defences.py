@@ -21,6 +21,7 @@ import redis
 
 from ember.api.app import create_app
 from ember.config import Settings
+from ember.pools.router import RetryBudget
 from tests import services
 from tests.api.conftest import ADMIN_KEY
 from tests.gateway.conftest import Live, deploy
@@ -282,9 +283,13 @@ def test_a_dead_log_sink_fails_no_request(data_dir: Path, tmp_path: Path) -> Non
 
 def test_hedging_answers_around_a_stuck_replica(live: Live) -> None:
     live.register("mlp", "1")
-    deploy(live, "mlp", min_hot=2, max_replicas=2, hedge=True)
-    for _ in range(30):  # enough answers for a p95
+    deploy(live, "mlp", min_hot=2, max_replicas=2)
+    # Answers for a p95 first, hedging off: on a busy host some of them would be slower than
+    # the p95 of the first 20 and be hedged, spending what the budget earned.
+    for _ in range(40):
         assert predict(live, "mlp", Y).status_code == 200
+    changed = live.client.patch("/v1/deployments/mlp", json={"hedge": True})
+    assert changed.status_code == 200 and changed.json()["hedge"] is True, changed.text
     # Idle replicas tie on in-flight units and the router then takes the lowest id: stop
     # that one, so every request goes to it first and only a hedge can answer quickly.
     stuck = min(live.ready("mlp"), key=lambda r: r["replica_id"])
@@ -297,3 +302,21 @@ def test_hedging_answers_around_a_stuck_replica(live: Live) -> None:
     assert {a.status_code for a in answers} == {200}
     assert all(a.headers["x-ember-replica"] != stuck["replica_id"] for a in answers)
     assert metric(live, "ember_hedges_total", deployment="mlp", outcome="won") >= 1
+
+
+def test_hedges_never_spend_the_reserve_that_retries_need() -> None:
+    # CI saw it: slow answers on a busy host were hedged until the budget was empty, then a
+    # stuck replica's request could not be retried when its health probes killed it (502).
+    budget = RetryBudget(ratio=0.1, reserve=3.0)
+    assert not budget.try_withdraw(hedge=True)  # nothing earned yet; the reserve is not for it
+    for _ in range(25):  # 2.5 retries earned above the reserve
+        budget.deposit()
+    assert [budget.try_withdraw(hedge=True) for _ in range(3)] == [True, True, False]
+    assert [budget.try_withdraw() for _ in range(4)] == [True, True, True, False]
+    for _ in range(10):  # one more retry earned
+        budget.deposit()
+    assert budget.try_withdraw()
+    assert not budget.try_withdraw() and not budget.try_withdraw(hedge=True)
+    for _ in range(1000):  # a long quiet-but-busy run banks at most 10 above the reserve
+        budget.deposit()
+    assert sum(budget.try_withdraw(hedge=True) for _ in range(20)) == 10
