@@ -123,7 +123,7 @@ def _serve_replica(
         from ember.loader.pagecache import RESERVE
 
         RESERVE.fill(reserve_bytes)  # the weights' memory, faulted in while nothing waits
-    replica = Replica(settings, BatchPolicy(**policy), device, replica_id)
+    replica = Replica(settings, BatchPolicy(**policy), device, replica_id, budget.threads)
     if spec is not None:
         bind_process(model=spec.model, version=spec.version)
     get_logger(__name__).info(

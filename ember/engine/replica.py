@@ -12,6 +12,7 @@ from ember.engine.base import Engine, engine_class
 from ember.engine.metrics import EngineMetrics
 from ember.engine.scheduler import Scheduler
 from ember.engine.spec import BatchPolicy, Priority, Tier, VersionSpec
+from ember.engine.threads import CpuBudget, apply_thread_limits
 from ember.errors import Conflict, EmberError, NotReady
 from ember.loader.pagecache import RESERVE
 from ember.logs import bind_process, get_logger
@@ -27,9 +28,12 @@ class Replica:
         policy: BatchPolicy,
         device: str = "cpu",
         replica_id: str | None = None,
+        threads: int | None = None,
     ) -> None:
         self.settings = settings
         self.policy = policy
+        self.threads = threads
+        """The model's CPU threads (None: not set by Ember)."""
         self.device = device
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
         self.spec: VersionSpec | None = None
@@ -46,10 +50,22 @@ class Replica:
     def tier(self) -> Tier:
         return self.engine.tier if self.engine else Tier.standby
 
-    async def assign(self, spec: VersionSpec) -> None:
-        """Load ``spec`` (a standby process becomes this version's replica)."""
+    async def assign(
+        self,
+        spec: VersionSpec,
+        policy: dict[str, Any] | None = None,
+        threads: int | None = None,
+    ) -> None:
+        """Load ``spec`` (a standby process becomes this version's replica). ``policy``
+        (BatchPolicy fields) and ``threads`` are the deployment's, for a standby process
+        started before anyone knew which deployment it would serve."""
         if self.spec is not None:
             raise Conflict(f"replica already serves {self.spec.model}:{self.spec.version}")
+        if policy:
+            self.policy = BatchPolicy.model_validate(self.policy.model_dump() | policy)
+        if threads is not None and threads != self.threads:
+            apply_thread_limits(CpuBudget(threads, "assigned"))
+            self.threads = threads
         self.spec, self.state = spec, "loading"
         bind_process(model=spec.model, version=spec.version)
         self.metrics = EngineMetrics(spec.model, spec.version)
@@ -142,6 +158,7 @@ class Replica:
             "queued": self.scheduler.queued if self.scheduler else 0,
             "inflight_units": self.scheduler.inflight_units if self.scheduler else 0.0,
             "policy": self.policy.model_dump(),
+            "threads": self.threads,
             "reserve": {"bytes": RESERVE.nbytes, "ready": RESERVE.ready},
         }
 

@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 import pydantic_core
-from fastapi import FastAPI, Header, Request, Response
+from fastapi import FastAPI, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import Scope
@@ -59,9 +59,25 @@ class TierRequest(BaseModel):
     tier: Tier
 
 
+class AssignParams(BaseModel):
+    """How an assigned standby process serves: its deployment's batch policy and threads
+    (query parameters of ``POST /assign``; the body is the VersionSpec)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_batch_size: int | None = Field(None, ge=1, le=4096)
+    max_queue_delay_ms: float | None = Field(None, ge=0, le=10_000)
+    max_queue: int | None = Field(None, ge=1)
+    threads: int | None = Field(None, ge=1, le=1024)
+
+
 def create_replica_app(replica: Replica, spec: VersionSpec | None) -> FastAPI:
-    async def assign_and_mount(version: VersionSpec) -> None:
-        await replica.assign(version)
+    async def assign_and_mount(version: VersionSpec, params: AssignParams | None = None) -> None:
+        if params is None:
+            await replica.assign(version)
+        else:
+            policy = params.model_dump(exclude_none=True, exclude={"threads"})
+            await replica.assign(version, policy, params.threads)
         router = replica.engine.routes() if replica.engine and replica.state == "ready" else None
         if router is not None:
             app.include_router(router)
@@ -185,9 +201,12 @@ def create_replica_app(replica: Replica, spec: VersionSpec | None) -> FastAPI:
         return replica.info()
 
     @app.post("/assign")
-    async def assign(body: VersionSpec, request: Request) -> JSONResponse:
-        """Give a standby process its version; answers once it is loaded (or failed)."""
-        await assign_and_mount(body)
+    async def assign(
+        body: VersionSpec, request: Request, params: Annotated[AssignParams, Query()]
+    ) -> JSONResponse:
+        """Give a standby process its version (and, in the query, its deployment's batch
+        policy and threads); answers once it is loaded (or failed)."""
+        await assign_and_mount(body, params)
         status = 200 if replica.state == "ready" else 503
         return JSONResponse(replica.info(), status)
 

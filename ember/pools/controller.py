@@ -822,7 +822,7 @@ class PoolsController:
                 then_tier=then_tier,
             )
             self.replicas[replica.handle.replica_id] = replica
-            task = asyncio.get_running_loop().create_task(self._assign(replica, spec))
+            task = asyncio.get_running_loop().create_task(self._assign(replica, spec, options))
             self._assigning.add(task)
             task.add_done_callback(self._assigning.discard)
             self._event(
@@ -836,9 +836,21 @@ class PoolsController:
         self.replicas[handle.replica_id] = replica
         self._event("starting", replica, pid=handle.pid, port=handle.port, then_tier=then_tier)
 
-    async def _assign(self, replica: ManagedReplica, spec: dict[str, Any]) -> None:
+    async def _assign(
+        self, replica: ManagedReplica, spec: dict[str, Any], options: LaunchOptions
+    ) -> None:
+        """Give the standby process its version and the deployment's batch policy and
+        threads (it was started with the defaults, before anyone knew its deployment)."""
+        params: dict[str, Any] = {
+            "max_batch_size": options.max_batch_size,
+            "max_queue_delay_ms": options.max_queue_delay_ms,
+            "max_queue": options.max_queue,
+        }
+        if options.placement is not None and options.placement.threads:
+            params["threads"] = options.placement.threads
+        url = f"{replica.handle.url}/assign"
         with contextlib.suppress(httpx.HTTPError):
-            await self._http.post(f"{replica.handle.url}/assign", json=spec, timeout=600)
+            await self._http.post(url, json=spec, params=params, timeout=600)
 
     def _keep_standby(self) -> None:
         spares = [r for r in self.replicas.values() if not r.key[1]]

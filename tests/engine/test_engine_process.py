@@ -144,9 +144,23 @@ def test_standby_process_is_assigned_a_version(
         "state": "standby",
         "tier": "standby",
     }
-    assigned = httpx.post(f"{engine.url}/assign", json=mlp_spec, timeout=60)
+    for bad in ({"max_batch_size": 0}, {"threads": "many"}, {"max_batch_sise": 8}):
+        refused = httpx.post(f"{engine.url}/assign", json=mlp_spec, params=bad, timeout=60)
+        assert refused.status_code == 422, (bad, refused.text)
+        assert refused.headers["content-type"].startswith("application/problem+json")
+    assert httpx.get(f"{engine.url}/info").json()["state"] == "standby"  # nothing half-done
+    # the deployment's batch policy and threads come with the version
+    policy = {"max_batch_size": 7, "max_queue_delay_ms": 1.5, "max_queue": 99, "threads": 1}
+    assigned = httpx.post(f"{engine.url}/assign", json=mlp_spec, params=policy, timeout=60)
     assert assigned.status_code == 200, assigned.text
-    assert assigned.json()["state"] == "ready"
+    info = assigned.json()
+    assert info["state"] == "ready"
+    assert info["threads"] == 1
+    assert {k: info["policy"][k] for k in policy if k != "threads"} == {
+        "max_batch_size": 7,
+        "max_queue_delay_ms": 1.5,
+        "max_queue": 99,
+    }
     assert infer(engine.url).status_code == 200
     again = httpx.post(f"{engine.url}/assign", json=mlp_spec)
     assert again.status_code == 409

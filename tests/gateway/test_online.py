@@ -197,11 +197,16 @@ def test_a_deployment_takes_a_ready_standby_process(data_dir: Path) -> None:
         standby = 'deployment="(standby)",state="standby"'
         live.wait(lambda: standby in client.get("/metrics").text, "a ready standby process")
         live.register("mlp", "1")
-        deploy(live, "mlp")
+        deploy(live, "mlp", max_batch_size=16, max_queue_delay_ms=2, placement={"threads": 1})
         assigned = [e for e in live.events("mlp") if e["event"] == "assigned"]
         assert assigned and assigned[0]["from_tier"] == "standby"
-        assert live.ready("mlp")[0]["replica_id"] == assigned[0]["replica_id"]
+        (replica,) = live.ready("mlp")
+        assert replica["replica_id"] == assigned[0]["replica_id"]
         assert live.predict("mlp").status_code == 200
+        # it serves with the deployment's batch policy and threads, not the standby's defaults
+        info = httpx.get(f"{replica['url']}/info").json()
+        assert (info["policy"]["max_batch_size"], info["policy"]["max_queue_delay_ms"]) == (16, 2)
+        assert info["threads"] == 1
 
 
 def test_a_request_waits_for_a_starting_replica_within_its_deadline(live: Live) -> None:

@@ -129,7 +129,7 @@ class FakeReplica:
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                if self.path == "/assign":
+                if self.path.partition("?")[0] == "/assign":  # the query: the batch policy
                     owner.state = "ready"
                 elif self.path == "/tier":
                     owner.tier = body["tier"]

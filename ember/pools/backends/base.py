@@ -34,8 +34,8 @@ class LaunchOptions:
     """The Ember deployment the replica serves (cluster backends label and group by it)."""
     placement: Placement | None = None
     """The deployment's placement policy (GPU type, resources, threads); the local backend
-    uses only ``threads`` (a replica it launches for the deployment; a standby process it
-    assigns keeps the threads it started with)."""
+    uses only ``threads`` (a standby process gets them, with the batch policy, from the
+    controller's ``/assign``)."""
     reserve_bytes: int = 0
     """A standby process: host memory to fault in ahead for the weights it may be given
     (``HostReserve``); the local backend passes it, others ignore it."""
