@@ -139,8 +139,9 @@ def _run_api(
     elif settings.admin_key is None:
         print("admin API key: the one printed on first start (or `ember keys create --local`)")
     sys.stdout.flush()
-    uvicorn.run(create_app(settings, engine), host=settings.host, port=settings.port,
-                log_config=None, access_log=False, reload=reload)  # fmt: skip
+    api = create_app(settings, engine, freeze_gc=True)
+    uvicorn.run(api, host=settings.host, port=settings.port, log_config=None, access_log=False,
+                reload=reload)  # fmt: skip
 
 
 # --- tenants and keys -------------------------------------------------------------------

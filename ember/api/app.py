@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
@@ -43,7 +44,14 @@ def prepare(settings: Settings, engine: Engine | None = None) -> tuple[Engine, s
     return engine, generated
 
 
-def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
+def create_app(
+    settings: Settings, engine: Engine | None = None, *, freeze_gc: bool = False
+) -> FastAPI:
+    """The API. ``freeze_gc`` (the ``ember serve``/``ember up`` process, which runs nothing
+    else): once started, move everything made so far out of the cyclic GC's view, as the
+    worker and the replicas do: a full collection then walks only what was made since,
+    instead of stalling the event loop over start-up's objects too."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.engine, _ = prepare(settings, engine)
@@ -54,6 +62,9 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         jobs_demand.attach(app, settings)  # job publisher; queue depth to the autoscaler
         log.info("ember api ready", registry=settings.registry_url.split("@")[-1],
                  resumed_validations=resumed)  # fmt: skip
+        if freeze_gc:
+            gc.collect()
+            gc.freeze()
         try:
             yield
         finally:
