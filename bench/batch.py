@@ -28,13 +28,18 @@ the batch run. Phases:
   which includes reading the input and writing the Parquet output (polled every 0.5 s,
   as ``ember batch run --wait`` polls). The worker sends the batches straight to the
   replica (the gateway's ``:batch-lane``), tensor bodies in, tensor answers out. A run
-  costs 0.4-0.6 s that do not grow with its rows (dispatch, the first shard's read and
-  parse, the last shard's tail): 100 000 rows by default, a small nightly dataset.
+  costs 0.2-0.6 s that do not grow with its rows (dispatch, the first shard's read and
+  parse, the last shard's tail; the first forward came 0.18-0.23 s after ``started_at``
+  on a quiet host, 0.38-0.58 s on a busy one): 100 000 rows by default, a small nightly
+  dataset.
 
 Why ``--batch-threads``: on a 2-core host a replica whose model uses both cores fights
 its own HTTP loop and the worker beside it for them (a forward thread preempted mid
-GEMM stalls the other at the barrier); with one model thread the engine max is the
-same here at ~60 % of the CPU, and the other core is left to the worker and the loop.
+GEMM stalls the other at the barrier); with one model thread the engine max was
+0.87-1.0x that with two here (closer the busier the host), at ~60 % of the CPU, and the
+other core is left to the worker and the loop. On a quiet host that ratio caps the
+batch run (one thread), and with two threads the run is CPU-bound (the worker's parse
+and Parquet writing share the cores with the model).
 
 Under the table, the CPU each process spent per 1000 rows in each phase (API, replica,
 worker, this bench's clients), read from ``/proc``: on a shared machine the wall clock

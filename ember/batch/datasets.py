@@ -278,6 +278,7 @@ def read_shard(
     if fmt == "parquet":
         table = _parquet_slice(data, uri, start, end)
     elif fmt == "jsonl":
+        memo = memo or Memo()  # one line index for both readers, should the first decline
         clean = _jsonl_vectors(data, start, end, key_columns, column, schema, memo)
         if clean is not None:
             return clean
@@ -362,11 +363,8 @@ def _jsonl_vectors(
     tensor = tensor_schema(schema)
     if tensor is None or len(tensor[0]) != 1 or tensor[1] not in _VECTOR_DTYPES:
         return None
-    try:
-        import simdjson
-    except ImportError:  # an optional speed-up: the pyarrow path reads the same
-        return None
     import pyarrow as pa
+    import simdjson
 
     lines = _shard_lines(data, start, end, memo)
     if lines is None:

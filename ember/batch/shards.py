@@ -55,7 +55,7 @@ from ember.errors import (
     StoreUnavailable,
 )
 from ember.jobs.runner import api_url, worker_id
-from ember.loader.stores import ObjectInfo
+from ember.loader.stores import ObjectInfo, open_store
 from ember.logs import get_logger, model_context
 from ember.registry.schemas import PoolPolicy
 from ember.registry.tables import BatchRun, BatchShard, Deployment, Model, ModelVersion, Tenant
@@ -277,8 +277,6 @@ class ShardRunner:
         later (the model idle until then) for no gain."""
         expected = shard.row_end - shard.row_start
         if shard.byte_start is not None and shard.byte_end is not None and fmt == "jsonl":
-            from ember.loader.stores import open_store
-
             length = shard.byte_end - shard.byte_start
             store = open_store(shard.input_uri, self.settings)
             data = store.read_range(
@@ -742,8 +740,6 @@ def fail_run(engine: Engine, run_id: int, error: str) -> None:
 
 
 def open_info(settings: Settings, uri: str) -> ObjectInfo:
-    from ember.loader.stores import open_store
-
     return open_store(uri, settings).stat(uri)
 
 

@@ -73,11 +73,9 @@ class AssignParams(BaseModel):
 
 def create_replica_app(replica: Replica, spec: VersionSpec | None) -> FastAPI:
     async def assign_and_mount(version: VersionSpec, params: AssignParams | None = None) -> None:
-        if params is None:
-            await replica.assign(version)
-        else:
-            policy = params.model_dump(exclude_none=True, exclude={"threads"})
-            await replica.assign(version, policy, params.threads)
+        params = params or AssignParams()
+        policy = params.model_dump(exclude_none=True, exclude={"threads"})
+        await replica.assign(version, policy, params.threads)
         router = replica.engine.routes() if replica.engine and replica.state == "ready" else None
         if router is not None:
             app.include_router(router)

@@ -841,14 +841,7 @@ class PoolsController:
     ) -> None:
         """Give the standby process its version and the deployment's batch policy and
         threads (it was started with the defaults, before anyone knew its deployment)."""
-        params: dict[str, Any] = {
-            "max_batch_size": options.max_batch_size,
-            "max_queue_delay_ms": options.max_queue_delay_ms,
-            "max_queue": options.max_queue,
-        }
-        if options.placement is not None and options.placement.threads:
-            params["threads"] = options.placement.threads
-        url = f"{replica.handle.url}/assign"
+        url, params = f"{replica.handle.url}/assign", options.replica_settings()
         with contextlib.suppress(httpx.HTTPError):
             await self._http.post(url, json=spec, params=params, timeout=600)
 

@@ -527,11 +527,11 @@ class Gateway:
     def batch_lane(self, view: DeploymentView, version: str, sent: int) -> dict[str, Any]:
         """Where batch workers may send ``version``'s batches themselves: its ready hot
         replicas, each with the instances the batch class may keep in flight to it.
-        ``sent``: instances the
-        worker sent that way since it last asked, reported as admitted demand so the
-        autoscaler sees batch work it never routed. With no replica ready, a replica of
-        the version is asked for (``coming`` wakes a scale-to-zero deployment) and the
-        list is empty: the worker sends through ``:predict`` meanwhile, which waits."""
+        ``sent``: instances the worker sent that way since it last asked, reported as
+        admitted demand so the autoscaler sees batch work it never routed. With no
+        replica ready, a replica of the version is asked for (``coming`` wakes a
+        scale-to-zero deployment) and the list is empty: the worker sends through
+        ``:predict`` meanwhile, which waits."""
         if version not in view.specs:  # as ``predict`` refuses it
             raise NotFound(f"version {version!r} is not served by deployment {view.name!r}")
         key = (view.tenant_id, view.name)

@@ -40,6 +40,19 @@ class LaunchOptions:
     """A standby process: host memory to fault in ahead for the weights it may be given
     (``HostReserve``); the local backend passes it, others ignore it."""
 
+    def replica_settings(self) -> dict[str, Any]:
+        """What a replica serves with, named as ``ember engine``'s options and ``POST
+        /assign``'s query name them: the batch policy, and the placement's threads when
+        it sets them (a replica started with them, or a standby process assigned them)."""
+        settings: dict[str, Any] = {
+            "max_batch_size": self.max_batch_size,
+            "max_queue_delay_ms": self.max_queue_delay_ms,
+            "max_queue": self.max_queue,
+        }
+        if self.placement is not None and self.placement.threads:
+            settings["threads"] = self.placement.threads
+        return settings
+
 
 @dataclass
 class ObservedReplica:

@@ -43,12 +43,9 @@ class LocalProcessBackend(ReplicaBackend):
         replica_id = uuid.uuid4().hex[:10]
         port = _free_port()
         exe = self.executable(spec)
-        cmd = [str(exe), "engine", "--port", str(port), "--replica-id", replica_id,
-               "--max-batch-size", str(options.max_batch_size),
-               "--max-queue-delay-ms", str(options.max_queue_delay_ms),
-               "--max-queue", str(options.max_queue)]  # fmt: skip
-        if options.placement is not None and options.placement.threads:
-            cmd += ["--threads", str(options.placement.threads)]
+        cmd = [str(exe), "engine", "--port", str(port), "--replica-id", replica_id]
+        for name, value in options.replica_settings().items():
+            cmd += ["--" + name.replace("_", "-"), str(value)]
         if spec is None:
             cmd.append("--standby")
             if options.reserve_bytes > 0:
