@@ -4,6 +4,7 @@ degradation ladder, hedging, and the prediction log (file and S3 sinks, sink fai
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import json
@@ -21,10 +22,17 @@ import redis
 
 from ember.api.app import create_app
 from ember.config import Settings
-from ember.pools.router import RetryBudget
+from ember.pools.admission import Admission
+from ember.pools.controller import DeploymentView, PoolsController
+from ember.pools.gateway import Gateway
+from ember.pools.router import RetryBudget, Route
+from ember.registry.schemas import PoolPolicy
 from tests import services
 from tests.api.conftest import ADMIN_KEY
 from tests.gateway.conftest import Live, deploy
+from tests.gateway.test_hop import answer as http_answer
+from tests.gateway.test_hop import read_request, serve
+from tests.pools.test_controller_autoscale import FakeBackend
 
 Y = [0.25] * 256
 
@@ -320,3 +328,40 @@ def test_hedges_never_spend_the_reserve_that_retries_need() -> None:
     for _ in range(1000):  # a long quiet-but-busy run banks at most 10 above the reserve
         budget.deposit()
     assert sum(budget.try_withdraw(hedge=True) for _ in range(20)) == 10
+
+
+def test_the_gateway_hedges_only_from_what_was_earned() -> None:
+    """In process, against scripted replicas (one never answers, one does): with the
+    budget at its reserve no hedge goes out and the request waits for the stuck one; with
+    a retry earned above the reserve the hedge goes out and wins."""
+    controller = PoolsController(None, FakeBackend(), standby_pool=0)  # type: ignore[arg-type]
+    view = DeploymentView(1, "mlp", "mlp", {"1": 100}, PoolPolicy(hedge=True), {"1": {}}, [])
+    gateway = Gateway(controller, Admission(1e9, 1e9), 0.1)
+    payload: dict[str, Any] = {"instances": [[0.5]], "timeout_ms": 300.0}
+
+    async def stuck(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await asyncio.sleep(30)
+
+    async def quick(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(http_answer(b'{"predictions": [1.0], "model": "mlp", "version": "1"}'))
+        await writer.drain()
+
+    async def both(slow_url: str, ok_url: str) -> None:
+        slow, ok = Route("slow", slow_url, "1"), Route("ok", ok_url, "1")
+        budget = gateway.budget
+        budget.balance = budget.reserve  # nothing earned: the reserve is for retries
+        with pytest.raises(TimeoutError):
+            await gateway._hedged(slow, [ok], payload, {}, 1.0, 0.3, 0.05, view, "1", set())
+        budget.balance = budget.reserve + 1.0
+        got, route, hedged = await gateway._hedged(
+            slow, [ok], payload, {}, 1.0, 5.0, 0.05, view, "1", set()
+        )
+        assert (got.status_code, route.replica_id, hedged) == (200, "ok", True)
+        assert budget.balance == pytest.approx(budget.reserve)
+        await gateway.hop.close()
+        await gateway.http.aclose()
+
+    asyncio.run(serve(stuck, lambda slow_url: serve(quick, lambda ok_url: both(slow_url, ok_url))))
+    assert controller.metrics.hedges.labels("mlp", "1", "sent")._value.get() == 1
