@@ -300,6 +300,16 @@ class Settings(BaseSettings):
     replica is ready or reachable from the worker's host, through the gateway's
     ``:predict``."""
 
+    # --- trust: the code a version may name (issue 20 §1) ---
+
+    # --- replicas: least privilege and the replica API's secret (issue 20 §2, §3) ---
+
+    # --- data confinement: tenant prefixes in the stores (issue 20 §4) ---
+
+    # --- quotas and rate limits (issue 20 §6) ---
+
+    # --- metrics, webhooks, the local Redis (issue 20 §7) ---
+
     @field_validator("file_roots", "s3_allowed_buckets", "k8s_standby_accelerators", mode="before")
     @classmethod
     def _csv(cls, value: object) -> object:

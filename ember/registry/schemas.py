@@ -63,13 +63,46 @@ class Page(BaseModel, Generic[T]):
 # --- tenants and keys -------------------------------------------------------------------
 
 
+class TenantQuotas(Input):
+    """Per-tenant overrides of the ``EMBER_QUOTA_*`` defaults; a field left out (or null)
+    takes the default."""
+
+    replicas: int | None = Field(None, ge=0, le=100_000, description="Hot + warm + standby replicas.")
+    gpus: int | None = Field(None, ge=0, le=100_000, description="GPUs held by replicas.")
+    cpu_cores: float | None = Field(None, ge=0, le=1_000_000, description="CPU cores of replicas.")
+    memory_gib: float | None = Field(None, ge=0, le=10_000_000, description="Memory of replicas.")
+    queued_jobs: int | None = Field(None, ge=0, le=100_000_000, description="Unfinished jobs.")
+    job_bytes: int | None = Field(None, ge=0, le=2**62, description="Stored job inputs and results.")
+    batch_runs: int | None = Field(None, ge=0, le=100_000, description="Batch runs in flight.")
+    requests_per_s: float | None = Field(
+        None, gt=0, le=1_000_000, description="Control-plane requests per second per key."
+    )
+
+
 class TenantCreate(Input):
     name: Name
+    trusted: bool = False
+    quotas: TenantQuotas = Field(default_factory=TenantQuotas)
+
+
+class TenantUpdate(Input):
+    """Admin only. ``trusted``: the tenant may name engine factories beyond
+    ``EMBER_ENGINE_FACTORIES``; ``quotas``: replaces the tenant's overrides."""
+
+    trusted: bool | None = None
+    quotas: TenantQuotas | None = None
 
 
 class TenantPublic(Public):
     name: str
     created_at: datetime
+    trusted: bool = False
+    quotas: TenantQuotas = Field(default_factory=TenantQuotas)
+
+    @field_validator("quotas", mode="before")
+    @classmethod
+    def _no_overrides(cls, value: Any) -> Any:
+        return {} if value is None else value
 
 
 class ApiKeyCreate(Input):

@@ -17,6 +17,9 @@ def utcnow() -> datetime:
 class KeyScope(enum.StrEnum):
     admin = "admin"
     tenant = "tenant"
+    worker = "worker"
+    """The job and batch workers' scope: acts for each job's tenant (``X-Ember-Tenant``) on
+    the data plane and the lanes it needs (``:batch-lane``), nothing on the control plane."""
 
 
 class VersionStatus(enum.StrEnum):
@@ -31,6 +34,12 @@ class Tenant(SQLModel, table=True):
     id: int | None = Field(default=None, primary_key=True)
     name: str = Field(index=True, unique=True, max_length=63)
     created_at: datetime = Field(default_factory=utcnow)
+    trusted: bool = False
+    """Marked by an admin: the tenant may name engine factories beyond
+    ``EMBER_ENGINE_FACTORIES`` (its code is then the operator's responsibility)."""
+    quotas: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    """Per-tenant overrides of the ``EMBER_QUOTA_*`` defaults (quota name -> limit), set
+    by an admin; null: the defaults."""
 
 
 class ApiKey(SQLModel, table=True):

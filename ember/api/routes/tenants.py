@@ -11,22 +11,49 @@ from ember.api.deps import Cursor, Limit, PrincipalDep, SessionDep
 from ember.registry import tenants
 from ember.registry.pagination import paginate
 from ember.registry.schemas import (
+    NAME_PATTERN,
     ApiKeyCreate,
     ApiKeyCreated,
     ApiKeyPublic,
     Page,
     TenantCreate,
     TenantPublic,
+    TenantUpdate,
 )
 from ember.registry.tables import ApiKey, KeyScope, Tenant
 
 router = APIRouter(prefix="/v1", tags=["tenants"])
+TenantName = Annotated[str, Path(pattern=NAME_PATTERN, description="Tenant name.")]
 
 
 @router.post("/tenants", status_code=status.HTTP_201_CREATED, summary="Create a tenant (admin)")
 def create_tenant(body: TenantCreate, principal: PrincipalDep, session: SessionDep) -> TenantPublic:
     principal.require_admin()
     tenant = tenants.create_tenant(session, body.name)
+    tenant.trusted = body.trusted
+    tenant.quotas = body.quotas.model_dump(exclude_none=True) or None
+    session.add(tenant)
+    session.commit()
+    return TenantPublic.model_validate(tenant)
+
+
+@router.get("/tenants/{name}", summary="Get a tenant (admin)")
+def get_tenant(name: TenantName, principal: PrincipalDep, session: SessionDep) -> TenantPublic:
+    principal.require_admin()
+    return TenantPublic.model_validate(tenants.get_tenant(session, name))
+
+
+@router.patch("/tenants/{name}", summary="Mark a tenant trusted, or set its quotas (admin)")
+def update_tenant(
+    name: TenantName, body: TenantUpdate, principal: PrincipalDep, session: SessionDep
+) -> TenantPublic:
+    principal.require_admin()
+    tenant = tenants.get_tenant(session, name)
+    if body.trusted is not None:
+        tenant.trusted = body.trusted
+    if body.quotas is not None:
+        tenant.quotas = body.quotas.model_dump(exclude_none=True) or None
+    session.add(tenant)
     session.commit()
     return TenantPublic.model_validate(tenant)
 
