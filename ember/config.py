@@ -418,8 +418,9 @@ class Settings(BaseSettings):
         return buckets
 
 
-#: EMBER_* variables read by other parts of Ember (the CLI's client), not by ``Settings``.
-CLIENT_VARIABLES = {"EMBER_URL", "EMBER_API_KEY"}
+#: EMBER_* variables read by other parts of Ember (the CLI's client, a replica's secret), not by
+#: ``Settings``.
+CLIENT_VARIABLES = {"EMBER_URL", "EMBER_API_KEY", "EMBER_REPLICA_SECRET"}
 
 
 def unknown_variables(environ: dict[str, str]) -> list[str]:

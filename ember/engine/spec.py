@@ -10,6 +10,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ember.costmodel import CostModel
 
+REPLICA_SECRET_ENV = "EMBER_REPLICA_SECRET"
+"""The environment variable a replica process reads its secret from (made at launch by the
+replica backend, never logged, never in argv); ``ember engine`` removes it at start."""
+REPLICA_SECRET_HEADER = "X-Ember-Replica-Secret"
+"""The header every call to a replica's API carries but liveness and readiness probes."""
+
 
 class Tier(enum.StrEnum):
     """What is alive in a replica (DESIGN.md, "Replica tiers")."""
