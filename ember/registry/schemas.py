@@ -16,6 +16,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     StringConstraints,
     field_validator,
     model_validator,
@@ -67,12 +68,16 @@ class TenantQuotas(Input):
     """Per-tenant overrides of the ``EMBER_QUOTA_*`` defaults; a field left out (or null)
     takes the default."""
 
-    replicas: int | None = Field(None, ge=0, le=100_000, description="Hot + warm + standby replicas.")
+    replicas: int | None = Field(
+        None, ge=0, le=100_000, description="Hot + warm + standby replicas."
+    )
     gpus: int | None = Field(None, ge=0, le=100_000, description="GPUs held by replicas.")
     cpu_cores: float | None = Field(None, ge=0, le=1_000_000, description="CPU cores of replicas.")
     memory_gib: float | None = Field(None, ge=0, le=10_000_000, description="Memory of replicas.")
     queued_jobs: int | None = Field(None, ge=0, le=100_000_000, description="Unfinished jobs.")
-    job_bytes: int | None = Field(None, ge=0, le=2**62, description="Stored job inputs and results.")
+    job_bytes: int | None = Field(
+        None, ge=0, le=2**62, description="Stored job inputs and results."
+    )
     batch_runs: int | None = Field(None, ge=0, le=100_000, description="Batch runs in flight.")
     requests_per_s: float | None = Field(
         None, gt=0, le=1_000_000, description="Control-plane requests per second per key."
@@ -81,7 +86,7 @@ class TenantQuotas(Input):
 
 class TenantCreate(Input):
     name: Name
-    trusted: bool = False
+    trusted: StrictBool = False
     quotas: TenantQuotas = Field(default_factory=TenantQuotas)
 
 
@@ -89,7 +94,7 @@ class TenantUpdate(Input):
     """Admin only. ``trusted``: the tenant may name engine factories beyond
     ``EMBER_ENGINE_FACTORIES``; ``quotas``: replaces the tenant's overrides."""
 
-    trusted: bool | None = None
+    trusted: StrictBool | None = None
     quotas: TenantQuotas | None = None
 
 
