@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import enum
 from functools import cached_property
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ember.costmodel import CostModel
 
-REPLICA_SECRET_ENV = "EMBER_REPLICA_SECRET"
+REPLICA_SECRET_ENV = "EMBER_REPLICA_SECRET"  # noqa: S105 (a name, not a secret)
 """The environment variable a replica process reads its secret from (made at launch by the
 replica backend, never logged, never in argv); ``ember engine`` removes it at start."""
-REPLICA_SECRET_HEADER = "X-Ember-Replica-Secret"
+REPLICA_SECRET_HEADER = "X-Ember-Replica-Secret"  # noqa: S105
 """The header every call to a replica's API carries but liveness and readiness probes."""
 
 
@@ -74,6 +74,10 @@ class VersionSpec(BaseModel):
     output_schema: dict[str, Any] | None = None
     cost: dict[str, float] | None = None
     """Calibrated ``CostModel`` fields for this hardware, if known."""
+    trusted: bool = False
+    """The version's tenant is marked trusted (set by the pools controller from the
+    registry): its code need not match the replica's ``EMBER_ENGINE_FACTORIES`` nor its
+    vLLM flags the allowlist (``ember.registry.trust``). False: the replica checks both."""
 
     @cached_property
     def cost_model(self) -> CostModel:
@@ -92,3 +96,55 @@ class BatchPolicy(BaseModel):
     max_input_size: int = Field(8192, ge=1, description="Tokens / elements per instance.")
     max_batch_units: int = Field(65536, ge=1, description="Input size summed over a batch.")
     default_timeout_ms: int = Field(30_000, ge=1)
+
+
+# --- engine_config, per engine (checked at registration and again in the replica) ---------
+
+
+class TorchOptions(BaseModel):
+    """The ``engine_config`` of a torch version: ``{"factory": "pkg.module:callable",
+    "kwargs": {...}}``. Which factories may be named: ``ember.registry.trust``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    factory: str = Field(max_length=512)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the factory (plain JSON)."""
+
+
+class TransformersOptions(BaseModel):
+    """The ``engine_config`` of a transformers version (no remote code, ever)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    task: Literal["embedding", "classification"] = "embedding"
+    max_length: int = Field(256, ge=1, le=1_000_000)
+    """Tokens per text the model sees (longer texts are truncated)."""
+
+
+class VllmOptions(BaseModel):
+    """The ``engine_config`` of a vLLM version."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_model_len: int | None = Field(None, ge=16, le=10_000_000)
+    dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] | None = None
+    """Default: ``float32`` on CPU (bf16 kernels crash without AMX permission), else auto."""
+    kv_cache_bytes: int | None = Field(None, ge=1024 * 1024, le=2**50)
+    """KV cache size; default on CPU 256 MiB (vLLM would take 90 % of RAM)."""
+    enforce_eager: bool | None = None
+    """Default: true on CPU (no torch.compile: starts in tens of seconds, not minutes)."""
+    max_num_seqs: int | None = Field(None, ge=1, le=1_000_000)
+    max_tokens: int = Field(16, ge=1, le=10_000_000)
+    """Default completion length for ``/infer`` instances that do not say."""
+    vllm_args: dict[str, Any] = Field(default_factory=dict)
+    """Further ``vllm serve`` flags, without the leading dashes (``true`` = the flag,
+    ``false`` = its ``--no-`` form): vLLM's tuning flags only (``ember.registry.trust``)."""
+
+
+ENGINE_OPTIONS: dict[str, type[BaseModel]] = {
+    "torch": TorchOptions,
+    "transformers": TransformersOptions,
+    "vllm": VllmOptions,
+}
+"""The ``engine_config`` schema of each engine a version may name."""

@@ -4,6 +4,10 @@ engine_config::
 
     {"factory": "package.module:build", "kwargs": {...}}
 
+The factory must match ``EMBER_ENGINE_FACTORIES`` (and be defined in its module) unless
+the version's tenant is trusted: checked before the module is imported
+(``ember.registry.trust``).
+
 input_schema (optional, checked per instance)::
 
     {"shape": [16], "dtype": "float32"}
@@ -20,13 +24,15 @@ from typing import Any
 
 import numpy as np
 import torch
+from pydantic import ValidationError
 
 from ember.config import Settings
 from ember.engine.base import Sized, import_object, register_engine
-from ember.engine.spec import Tier, VersionSpec
+from ember.engine.spec import Tier, TorchOptions, VersionSpec
 from ember.engine.weights import ModuleEngine, build_and_load
 from ember.errors import InvalidInput
 from ember.logs import get_logger
+from ember.registry.trust import check_defined_in_module, check_factory, check_factory_kwargs
 
 log = get_logger(__name__)
 DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64,
@@ -38,10 +44,17 @@ class TorchEngine(ModuleEngine):
     def __init__(self, spec: VersionSpec, settings: Settings, device: str = "cpu") -> None:
         super().__init__(spec, settings, device)
         config = spec.engine_config
-        if not isinstance(config.get("factory"), str):
-            raise InvalidInput("torch engine_config needs 'factory': 'package.module:callable'")
-        self.factory = import_object(config["factory"])
-        self.kwargs: dict[str, Any] = dict(config.get("kwargs") or {})
+        # Code trust before any import: the factory must match this process's
+        # EMBER_ENGINE_FACTORIES unless the registry marked the tenant trusted (a version
+        # registered before the check, or under a wider setting, fails here with why).
+        factory = check_factory(config.get("factory"), settings.engine_factories, spec.trusted)
+        self.kwargs: dict[str, Any] = check_factory_kwargs(config.get("kwargs"))
+        try:
+            TorchOptions.model_validate(config)
+        except ValidationError as exc:
+            raise InvalidInput(f"invalid torch engine_config: {exc}") from exc
+        self.factory = import_object(factory)
+        check_defined_in_module(factory, self.factory, spec.trusted)
         schema = spec.input_schema or {}
         self.shape: tuple[int, ...] | None = tuple(schema["shape"]) if "shape" in schema else None
         dtype = schema.get("dtype", "float32")

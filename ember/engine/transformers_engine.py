@@ -5,8 +5,10 @@ engine_config::
     {"task": "embedding", "max_length": 256}        # mean-pooled, L2-normalised vectors
     {"task": "classification", "max_length": 256}   # {"label", "score", "scores"}
 
-Sidecar files (config and tokenizer) are fetched from the artifact's prefix in the object
-store into a directory keyed by model and version, then read offline.
+No other key; the artifact's own code (an ``auto_map``) is never run
+(``trust_remote_code=False``). Sidecar files (config and tokenizer) are fetched from the
+artifact's prefix in the object store into a directory keyed by model and version, then
+read offline.
 
 Each text is tokenized once, in ``prepare`` (which must count its tokens anyway): with a
 ``tokenizers`` backend the prepared value is the encoding (truncated to ``max_length`` the
@@ -22,12 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from pydantic import ValidationError
 
 from ember.config import Settings
 from ember.engine import packed
 from ember.engine.base import Sized, register_engine
 from ember.engine.sidecars import fetch_sidecars
-from ember.engine.spec import Tier, VersionSpec
+from ember.engine.spec import Tier, TransformersOptions, VersionSpec
 from ember.engine.weights import ModuleEngine, build_and_load
 from ember.errors import InvalidInput
 from ember.logs import get_logger
@@ -43,22 +46,28 @@ TASKS = ("embedding", "classification")
 class TransformersEngine(ModuleEngine):
     def __init__(self, spec: VersionSpec, settings: Settings, device: str = "cpu") -> None:
         super().__init__(spec, settings, device)
-        self.task = spec.engine_config.get("task", "embedding")
-        if self.task not in TASKS:
-            raise InvalidInput(f"transformers task must be one of {TASKS}, got {self.task!r}")
-        self.max_length = int(spec.engine_config.get("max_length", 256))
+        task = spec.engine_config.get("task", "embedding")
+        if task not in TASKS:
+            raise InvalidInput(f"transformers task must be one of {TASKS}, got {task!r}")
+        try:
+            options = TransformersOptions.model_validate(spec.engine_config)
+        except ValidationError as exc:
+            raise InvalidInput(f"invalid transformers engine_config: {exc}") from exc
+        self.task: str = options.task
+        self.max_length = options.max_length
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         self.files = fetch_sidecars(spec, settings)
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.files))
+        # Never the artifact's own code (an ``auto_map`` in its config or tokenizer config).
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.files), trust_remote_code=False)
         self.encoders = self._encoders()
         self.padding_free = False
 
     def load(self) -> None:
         from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
 
-        config = AutoConfig.from_pretrained(str(self.files))
+        config = AutoConfig.from_pretrained(str(self.files), trust_remote_code=False)
         cls = AutoModel if self.task == "embedding" else AutoModelForSequenceClassification
         prefix = f"{getattr(cls, 'base_model_prefix', '') or config.model_type}."
         module, loaded = build_and_load(

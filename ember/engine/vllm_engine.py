@@ -21,6 +21,11 @@ engine_config (all optional)::
      "enforce_eager": true, "max_num_seqs": 64, "max_tokens": 16,
      "vllm_args": {"max-num-batched-tokens": 2048}}
 
+``vllm_args`` takes vLLM's tuning flags only (``ember.registry.trust.VLLM_ARGS``, plus
+``EMBER_VLLM_ARGS_ALLOWED``; a trusted tenant any), never the flags Ember sets (the
+model path, ``--load-format ember``, the worker extension, ...): checked at registration
+and again here, before vLLM starts.
+
 Tiers: on CUDA, warm is vLLM sleep mode level 1 (weights to host RAM, KV cache
 dropped) and hot is ``wake_up``; on CPU warm only flags the tier (the weights already
 are in host RAM). Standby shuts the vLLM engine down; promoting loads it again.
@@ -36,7 +41,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,10 +53,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ember.config import Settings
 from ember.engine.base import Engine, Sized, register_engine
 from ember.engine.sidecars import fetch_sidecars
-from ember.engine.spec import Priority, Tier, VersionSpec
+from ember.engine.spec import Priority, Tier, VersionSpec, VllmOptions
 from ember.errors import EngineError, InvalidInput, NotReady
 from ember.loader.report import LoadReport, Stage
 from ember.logs import get_logger, model_context
+from ember.registry.trust import check_vllm_args, vllm_flag
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -69,25 +75,6 @@ VLLM_ENV_DEFAULTS = {
     "HF_HUB_OFFLINE": "1",  # weights and sidecars come from Ember, never a hub
     "VLLM_CONFIGURE_LOGGING": "0",  # vLLM's lines go through Ember's handler
 }
-
-
-class VllmOptions(BaseModel):
-    """The ``engine_config`` of a vLLM version."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    max_model_len: int | None = Field(None, ge=16)
-    dtype: str | None = None
-    """Default: ``float32`` on CPU (bf16 kernels crash without AMX permission), else auto."""
-    kv_cache_bytes: int | None = Field(None, ge=1024 * 1024)
-    """KV cache size; default on CPU 256 MiB (vLLM would take 90 % of RAM)."""
-    enforce_eager: bool | None = None
-    """Default: true on CPU (no torch.compile: starts in tens of seconds, not minutes)."""
-    max_num_seqs: int | None = Field(None, ge=1)
-    max_tokens: int = Field(16, ge=1)
-    """Default completion length for ``/infer`` instances that do not say."""
-    vllm_args: dict[str, Any] = Field(default_factory=dict)
-    """Further ``vllm serve`` flags, without the leading dashes (``true`` = bare flag)."""
 
 
 class InferInstance(BaseModel):
@@ -112,9 +99,17 @@ class _Prepared:
 
 
 def vllm_argv(
-    spec: VersionSpec, opts: VllmOptions, files: Path, device: str, extra: str
+    spec: VersionSpec,
+    opts: VllmOptions,
+    files: Path,
+    device: str,
+    extra: str,
+    allowed: Iterable[str] = (),
 ) -> list[str]:
-    """The ``vllm serve`` arguments for one version (parsed by vLLM's own parser)."""
+    """The ``vllm serve`` arguments for one version (parsed by vLLM's own parser): Ember's
+    own, then ``vllm_args`` — each allowlisted (``ember.registry.trust``; ``allowed``: the
+    operator's ``EMBER_VLLM_ARGS_ALLOWED``), none of Ember's own, as ``--flag=value``."""
+    check_vllm_args(opts.vllm_args, allowed, spec.trusted)
     on_cpu = device == "cpu"
     args: dict[str, Any] = {
         "model": str(files),
@@ -131,7 +126,6 @@ def vllm_argv(
         "enable-sleep-mode": device.startswith("cuda"),
         "generation-config": "auto",
     }
-    args.update(opts.vllm_args)
     argv: list[str] = []
     for key, value in args.items():
         if value is None or value is False:
@@ -141,6 +135,12 @@ def vllm_argv(
             argv.extend(str(v) for v in value)
         elif value is not True:
             argv.append(str(value))
+    for key, value in opts.vllm_args.items():
+        flag = vllm_flag(key)
+        if isinstance(value, bool):
+            argv.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            argv.append(f"--{flag}={value}")
     return argv
 
 
@@ -231,6 +231,7 @@ class VllmEngine(Engine):
             self.options = VllmOptions.model_validate(spec.engine_config)
         except ValidationError as exc:
             raise InvalidInput(f"invalid vllm engine_config: {exc}") from exc
+        check_vllm_args(self.options.vllm_args, settings.vllm_args_allowed, spec.trusted)
         self.usage = TokenUsage(spec)
         self.files: Path | None = None
         self.tokenizer: Any = None
@@ -250,7 +251,7 @@ class VllmEngine(Engine):
             self.files = fetch_sidecars(self.spec, self.settings, REQUIRED_SIDECARS)
             from transformers import AutoTokenizer
 
-            self.tokenizer = AutoTokenizer.from_pretrained(str(self.files))
+            self.tokenizer = AutoTokenizer.from_pretrained(str(self.files), trust_remote_code=False)
             self._llm = self._start_vllm(self.files)
             self.max_model_len = int(self._llm.model_config.max_model_len)
             self._serving = None
@@ -282,7 +283,8 @@ class VllmEngine(Engine):
                             artifact_uri=self.spec.artifact_uri, sha256=self.spec.sha256,
                             settings=loader_settings_dict(self.settings),
                             report_path=str(report_path))  # fmt: skip
-        argv = vllm_argv(self.spec, self.options, files, self.device, target.model_dump_json())
+        argv = vllm_argv(self.spec, self.options, files, self.device, target.model_dump_json(),
+                         self.settings.vllm_args_allowed)  # fmt: skip
         self.cli_args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
         validate_parsed_serve_args(self.cli_args)
         engine_args = AsyncEngineArgs.from_cli_args(self.cli_args)

@@ -7,7 +7,6 @@ default.
 from __future__ import annotations
 
 import json
-import re
 from datetime import datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
@@ -18,11 +17,14 @@ from pydantic import (
     Field,
     StrictBool,
     StringConstraints,
+    ValidationError,
     field_validator,
     model_validator,
 )
 
+from ember.engine.spec import ENGINE_OPTIONS
 from ember.registry.tables import KeyScope, VersionStatus
+from ember.registry.trust import FACTORY_PATTERN
 
 NAME_PATTERN = r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$"
 VERSION_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._+-]{0,61}[A-Za-z0-9])?$"
@@ -172,13 +174,12 @@ class CostModelPublic(Input):
     capacity_units_per_s: float = Field(gt=0, le=1e12)
 
 
-FACTORY_PATTERN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
-
-
 def check_engine_config(engine: str, config: dict[str, Any]) -> None:
-    """What can be checked without importing the engine (the control plane stays torch-free)."""
+    """What can be checked without importing the engine (the control plane stays
+    torch-free): the engine's own keys only, of the right types. Which code it may name
+    (factories, vLLM flags) depends on the tenant: ``ember.registry.trust``, at the route."""
     if engine == "torch" and not (
-        isinstance(config.get("factory"), str) and FACTORY_PATTERN.match(config["factory"])
+        isinstance(config.get("factory"), str) and FACTORY_PATTERN.fullmatch(config["factory"])
     ):
         raise ValueError('the torch engine needs engine_config.factory: "package.module:callable"')
     if engine == "transformers" and config.get("task", "embedding") not in (
@@ -186,6 +187,20 @@ def check_engine_config(engine: str, config: dict[str, Any]) -> None:
         "classification",
     ):
         raise ValueError("transformers engine_config.task must be embedding or classification")
+    options = ENGINE_OPTIONS.get(engine)
+    if options is None:
+        return
+    try:
+        options.model_validate(config)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        where = f"engine_config.{where}" if where else "engine_config"
+        message = first.get("msg", "invalid")
+        if first.get("type") == "extra_forbidden":
+            known = ", ".join(options.model_fields)
+            message = f"not a {engine} engine_config key (known: {known})"
+        raise ValueError(f"{where}: {message}") from None
 
 
 class ModelVersionPublic(Public):
