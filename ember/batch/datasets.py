@@ -3,8 +3,10 @@
 Inputs are JSONL (one JSON object a line), CSV (a header row; the input column holds a
 JSON value) or Parquet, chosen by extension (``.jsonl``/``.json``/``.ndjson``, ``.csv``,
 ``.parquet``/``.pq``) or by the spec's ``format``. An input URI may contain glob
-characters (``*``, ``?``, ``[``) in its last path segments; ``file://`` and ``s3://`` are
-listed through the object stores of ``ember.loader.stores`` (same access limits).
+characters (``*``, ``[...]``; ``?`` is a URI's query, refused) in its last path segments;
+``file://`` and ``s3://`` are listed through the object stores of ``ember.loader.stores``
+(same access limits: with a tenant, its prefixes only; an object listed that the store
+would not read as listed — a link out, a key with ``..`` — is left out).
 
 A row that cannot be parsed is still a row: it is counted when the run is planned and
 rejected with its reason when its shard runs, so row numbers never shift.
@@ -27,10 +29,19 @@ from typing import Any, Literal
 import numpy as np
 
 from ember.config import Settings
-from ember.errors import InvalidInput, LoaderError, PayloadTooLarge
-from ember.loader.stores import FileStore, ObjectInfo, S3Store, open_store
+from ember.errors import InvalidInput, LoaderError, PayloadTooLarge, StoreAccessDenied
+from ember.loader.stores import (
+    FileStore,
+    ObjectInfo,
+    S3Store,
+    check_location,
+    open_store,
+    parse_location,
+    shown,
+    under_tenant_prefix,
+)
 
-GLOB_CHARS = "*?["
+GLOB_CHARS = "*["
 FORMATS = ("jsonl", "csv", "parquet")
 MAX_FILE_BYTES = 2 * 1024**3
 
@@ -58,9 +69,13 @@ def detect_format(uri: str, wanted: str) -> str:
     )
 
 
-def list_inputs(settings: Settings, pattern: str, max_files: int) -> list[ObjectInfo]:
-    """The objects ``pattern`` names (sorted by URI); an error if there are none."""
-    store = open_store(pattern, settings)
+def list_inputs(
+    settings: Settings, pattern: str, max_files: int, tenant: str | None = None
+) -> list[ObjectInfo]:
+    """The objects ``pattern`` names (sorted by URI); an error if there are none. With
+    ``tenant``, only under that tenant's prefixes."""
+    parse_location(pattern)
+    store = open_store(pattern, settings, tenant=tenant, area="batch")
     if not any(c in pattern for c in GLOB_CHARS):
         return [store.stat(pattern)]
     scheme_end = pattern.index("://") + 3
@@ -73,7 +88,10 @@ def list_inputs(settings: Settings, pattern: str, max_files: int) -> list[Object
             for path in sorted(root.rglob("*")):
                 uri = path.as_uri()
                 if path.is_file() and fnmatch.fnmatchcase(uri, pattern):
-                    found.append(store.stat(uri))
+                    try:
+                        found.append(store.stat(uri))
+                    except StoreAccessDenied:  # a link out of the prefix: not its data
+                        continue
                     if len(found) > max_files:
                         break
     elif isinstance(store, S3Store):
@@ -84,7 +102,7 @@ def list_inputs(settings: Settings, pattern: str, max_files: int) -> list[Object
         for page in pages:
             for obj in page.get("Contents", []):
                 uri = f"s3://{bucket}/{obj['Key']}"
-                if fnmatch.fnmatchcase(uri, pattern):
+                if fnmatch.fnmatchcase(uri, pattern) and _readable_as_listed(store, uri):
                     found.append(ObjectInfo(uri, int(obj["Size"]), str(obj["ETag"])))
             if len(found) > max_files:
                 break
@@ -97,10 +115,19 @@ def list_inputs(settings: Settings, pattern: str, max_files: int) -> list[Object
     return sorted(found, key=lambda i: i.uri)
 
 
-def read_object(settings: Settings, info: ObjectInfo) -> bytes:
+def _readable_as_listed(store: S3Store, uri: str) -> bool:
+    """A listed key the store reads as that key (no ``?``, ``#``, ``..``, empty segment)."""
+    try:
+        store.split(uri)
+    except StoreAccessDenied:
+        return False
+    return True
+
+
+def read_object(settings: Settings, info: ObjectInfo, tenant: str | None = None) -> bytes:
     if info.size > MAX_FILE_BYTES:
         raise PayloadTooLarge(f"{info.uri} is {info.size} bytes; one input file may be 2 GiB")
-    store = open_store(info.uri, settings)
+    store = open_store(info.uri, settings, tenant=tenant, area="batch")
     return b"".join(store.iter_chunks(info.uri, etag=info.etag))
 
 
@@ -643,13 +670,36 @@ def put(settings: Settings, uri: str, write: Any) -> None:
         Path(tmp).unlink(missing_ok=True)
 
 
-def check_readable(settings: Settings, uri: str) -> None:
-    """An output prefix the store accepts (scheme, roots, buckets)."""
+def check_readable(settings: Settings, uri: str, tenant: str | None = None) -> None:
+    """An output prefix the store accepts (scheme, roots, buckets; with ``tenant``, that
+    tenant's prefixes), checked without reading anything."""
     try:
-        store = open_store(uri, settings)
-        if isinstance(store, FileStore):
-            store.path_of(uri.rstrip("/") + "/x")
-        elif isinstance(store, S3Store):
-            store.split(uri.rstrip("/") + "/x")
+        check_location(uri.rstrip("/") + "/x", settings, tenant=tenant, area="batch")
     except LoaderError as exc:
         raise InvalidInput(exc.detail) from exc
+
+
+def check_spec_uris(
+    settings: Settings, tenant: str | None, input_uri: str, output_uri: str
+) -> None:
+    """A spec's URIs (``{date}`` filled in) are places the caller may read and write: with
+    ``tenant`` (a tenant key), under that tenant's prefixes only (``<object store>/batch/
+    <tenant>/``, ``<tenant>/`` of an extra root or named bucket), checked before anything
+    is read, so a refusal says nothing of what exists there; admin keys: anywhere the
+    stores allow. No answer names a server path."""
+    for name, uri, prefix in (("input_uri", input_uri, False), ("output_uri", output_uri, True)):
+        try:
+            parse_location(uri)
+        except StoreAccessDenied as exc:
+            raise InvalidInput(f"{name}: {exc.detail}") from exc
+        where = uri.rstrip("/") + "/x" if prefix else uri
+        if tenant is not None and not under_tenant_prefix(where, settings, tenant, "batch"):
+            raise InvalidInput(
+                f"{name} must lie under tenant {tenant!r}'s own prefix: the object store's "
+                f"batch/{tenant}/, or {tenant}/ at the top of an extra file root or allowed "
+                f"bucket (only admin keys may use other locations); got {shown(uri)}"
+            )
+        try:
+            check_location(where, settings, tenant=tenant, area="batch")
+        except LoaderError as exc:
+            raise InvalidInput(f"{name}: {exc.detail}") from exc

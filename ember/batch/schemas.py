@@ -9,6 +9,8 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ember.errors import StoreAccessDenied
+from ember.loader.stores import parse_location
 from ember.registry.schemas import NAME_PATTERN
 
 RUN_ID_PATTERN = r"^br_[0-9a-f]{24}$"
@@ -30,13 +32,15 @@ class BatchSpec(BaseModel):
         min_length=8,
         max_length=2048,
         description="file:// or s3:// URI; `{date}` becomes the run's date (YYYY-MM-DD, in "
-        "the schedule's zone); glob characters match many files.",
+        "the schedule's zone); `*` and `[...]` match many files. A tenant key: under its "
+        "tenant's prefix (`<object store>/batch/<tenant>/`).",
     )
     output_uri: str = Field(
         min_length=8,
         max_length=1024,
         description="Prefix for the output: `<prefix>/<run id>/part-NNNNN.parquet`, "
-        "`rejects/part-NNNNN.jsonl` and `_manifest.json`. `{date}` is replaced too.",
+        "`rejects/part-NNNNN.jsonl` and `_manifest.json`. `{date}` is replaced too. No `?`, "
+        "`#` or `..`; a tenant key: under its tenant's prefix, as `input_uri`.",
     )
     format: Literal["auto", "jsonl", "csv", "parquet"] = "auto"
     input_column: str = Field("features", min_length=1, max_length=255)
@@ -59,10 +63,17 @@ class BatchSpec(BaseModel):
     @field_validator("input_uri", "output_uri")
     @classmethod
     def _scheme(cls, value: str) -> str:
+        """Parsed as the stores will read it (``parse_location``), ``{date}`` filled in:
+        no ``?`` or ``#`` (a part of the URI a store drops: every part would land on one
+        object, or outside the prefix), no ``.``, ``..`` or empty segment, encoded or not."""
         if not value.startswith(("file://", "s3://")):
             raise ValueError("must be a file:// or s3:// URI")
-        if "\x00" in value or ".." in value.split("/"):
-            raise ValueError("must not contain NUL or '..' segments")
+        if "?" in value:
+            raise ValueError("must not contain '?' (a URI query; match one character with [...])")
+        try:
+            parse_location(value.replace("{date}", "2000-01-01"))
+        except StoreAccessDenied as exc:
+            raise ValueError(exc.detail) from exc
         return value
 
     @field_validator("key_columns")

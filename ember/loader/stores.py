@@ -2,7 +2,13 @@
 
 ``open_store(uri, settings)`` checks that the URI is allowed (file roots, bucket allowlist)
 before anything is read, so an artifact URI can never escape the configured locations —
-not with ``..``, not through a symlink. botocore errors are translated to Ember's
+not with ``..``, not through a symlink. ``open_store(uri, settings, tenant=...)`` confines
+the store further to that tenant's own prefixes (``tenant_prefixes``): every URI is parsed
+strictly first (``parse_location``: no ``..``, ``.`` or empty segments, percent-encoded or
+not, no ``?``, ``#``, backslash or control character), then checked against the prefixes
+lexically and, for ``file://``, resolved one component at a time without ever looking
+outside the prefix, so a refusal is the same whether or not anything exists where the URI
+points. No refusal names a server path. botocore errors are translated to Ember's
 ``LoaderError`` family here and nowhere else.
 
 Reads are made for weights: ``iter_parts`` keeps ``concurrency`` ranged reads in flight
@@ -17,6 +23,8 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import re
+import stat as statmod
 import tempfile
 import time
 from abc import ABC, abstractmethod
@@ -26,7 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
-from urllib.parse import unquote, urlparse
+from urllib.parse import unquote, urlsplit
 
 from ember.config import Settings
 from ember.errors import (
@@ -133,24 +141,46 @@ class ObjectStore(ABC):
 
 
 class FileStore(ObjectStore):
-    """Local files confined to ``roots`` (realpath-checked, so symlinks cannot escape)."""
+    """Local files confined to ``roots``, or, given ``prefixes``, to those directories
+    alone (a tenant's). Paths are resolved one component at a time (``resolve_path``):
+    no link leads out of the roots, out of a prefix, or out of a directory ``fenced``
+    names (each tenant's part of the object store and of the extra roots), for any caller.
+    """
 
-    def __init__(self, roots: list[Path]) -> None:
+    def __init__(
+        self,
+        roots: list[Path],
+        prefixes: list[Path] | None = None,
+        *,
+        fenced: Callable[[Path], bool] | None = None,
+        denied: Callable[[str], StoreAccessDenied] | None = None,
+    ) -> None:
         self.roots = [Path(os.path.realpath(r)) for r in roots]
+        self.prefixes = prefixes
+        self.fenced = fenced
+        self._denied = denied
 
     def path_of(self, uri: str) -> Path:
-        parsed = urlparse(uri)
-        if parsed.scheme != "file" or parsed.netloc not in ("", "localhost"):
-            raise StoreAccessDenied(f"{uri!r} is not a local file:// URI")
-        raw = unquote(parsed.path)
-        if "\x00" in raw or not raw.startswith("/"):
-            raise StoreAccessDenied(f"{uri!r} is not an absolute file path")
-        real = Path(os.path.realpath(raw))
-        if not any(real == root or root in real.parents for root in self.roots):
-            allowed = ", ".join(str(r) for r in self.roots) or "(none)"
+        location = parse_location(uri)
+        if location.scheme != "file":
+            raise StoreAccessDenied(f"{shown(uri)} is not a local file:// URI")
+        path = Path(location.path)
+        if self.prefixes is not None:
+            for prefix in self.prefixes:
+                if path == prefix or prefix in path.parents:
+                    real = resolve_path(path, fence=prefix)
+                    if real is not None:
+                        return real
+            raise (
+                self._denied(uri)
+                if self._denied is not None
+                else StoreAccessDenied(f"{shown(uri)} is outside the allowed prefixes")
+            )
+        real = resolve_path(path, fenced=self.fenced)
+        if real is None or not any(real == r or r in real.parents for r in self.roots):
             raise StoreAccessDenied(
-                f"{uri!r} resolves outside the allowed file roots ({allowed})",
-                allowed_roots=[str(r) for r in self.roots],
+                f"{shown(uri)} resolves outside the allowed file roots (the object store "
+                "and EMBER_FILE_ROOTS), or through a link out of its tenant's directory"
             )
         return real
 
@@ -211,9 +241,19 @@ class S3Store(ObjectStore):
     request botocore would retry; uploads keep botocore's standard retry mode.
     """
 
-    def __init__(self, settings: Settings, allowed_buckets: set[str]) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        allowed_buckets: set[str],
+        prefixes: list[tuple[str, tuple[str, ...]]] | None = None,
+        *,
+        denied: Callable[[str], StoreAccessDenied] | None = None,
+    ) -> None:
         self.settings = settings
         self.allowed_buckets = allowed_buckets
+        self.prefixes = prefixes
+        """``(bucket, key segments)``: given, the only places this store reads or writes."""
+        self._denied = denied
         self.default_concurrency = settings.s3_max_concurrency
         self.default_part_bytes = settings.s3_part_size_bytes
         self._client: S3Client | None = None
@@ -253,18 +293,26 @@ class S3Store(ObjectStore):
         return self._read_client
 
     def split(self, uri: str) -> tuple[str, str]:
-        parsed = urlparse(uri)
-        bucket, key = parsed.netloc, parsed.path.lstrip("/")
-        if parsed.scheme != "s3" or not bucket or not key:
-            raise StoreAccessDenied(f"{uri!r} is not an s3://bucket/key URI")
-        if "*" not in self.allowed_buckets and bucket not in self.allowed_buckets:
-            allowed = ", ".join(sorted(self.allowed_buckets)) or "(none)"
+        location = parse_location(uri)
+        if location.scheme != "s3" or not location.segments:
+            raise StoreAccessDenied(f"{shown(uri)} is not an s3://bucket/key URI")
+        bucket, parts = location.bucket, location.segments
+        if self.prefixes is not None:
+            if not any(
+                bucket == b and len(parts) > len(p) and parts[: len(p)] == p
+                for b, p in self.prefixes
+            ):
+                raise (
+                    self._denied(uri)
+                    if self._denied is not None
+                    else StoreAccessDenied(f"{shown(uri)} is outside the allowed prefixes")
+                )
+        elif "*" not in self.allowed_buckets and bucket not in self.allowed_buckets:
             raise StoreAccessDenied(
-                f"bucket {bucket!r} is not allowed (allowed: {allowed}); "
-                "set EMBER_S3_ALLOWED_BUCKETS",
-                allowed_buckets=sorted(self.allowed_buckets),
+                f"bucket {bucket!r} is not allowed (the object store's bucket and "
+                "EMBER_S3_ALLOWED_BUCKETS are); set EMBER_S3_ALLOWED_BUCKETS"
             )
-        return bucket, key
+        return bucket, location.key
 
     def stat(self, uri: str) -> ObjectInfo:
         bucket, key = self.split(uri)
@@ -390,14 +438,328 @@ class translate_s3_errors:
         return False
 
 
-def open_store(uri: str, settings: Settings) -> ObjectStore:
-    """The store for ``uri``, with the access limits from ``settings``."""
-    scheme = urlparse(uri).scheme
+def open_store(
+    uri: str, settings: Settings, *, tenant: str | None = None, area: Area = "artifacts"
+) -> ObjectStore:
+    """The store for ``uri``, with the access limits from ``settings``; with ``tenant``,
+    confined to that tenant's prefixes for ``area`` (``tenant_prefixes``)."""
+    scheme = _scheme(uri)
+    if scheme not in ("file", "s3"):
+        raise StoreAccessDenied(
+            f"unsupported artifact URI scheme {scheme[:20]!r}: use file:// or s3://"
+        )
+    denied = None if tenant is None else _tenant_refusal(tenant, area)
     if scheme == "file":
-        return FileStore(settings.allowed_file_roots)
-    if scheme == "s3":
-        return S3Store(settings, settings.allowed_buckets)
-    raise StoreAccessDenied(f"unsupported artifact URI scheme {scheme!r}: use file:// or s3://")
+        files = None if tenant is None else _file_prefixes(settings, tenant, area)
+        return FileStore(
+            settings.allowed_file_roots, files, fenced=_partitions(settings), denied=denied
+        )
+    buckets = None if tenant is None else _s3_prefixes(settings, tenant, area)
+    return S3Store(settings, settings.allowed_buckets, buckets, denied=denied)
+
+
+def check_location(
+    uri: str, settings: Settings, *, tenant: str | None = None, area: Area = "artifacts"
+) -> None:
+    """Refuse ``uri`` (``StoreAccessDenied``) unless it is an allowed place — with
+    ``tenant``, one of that tenant's — without reading the object: for a URI named before
+    it exists (an output) or checked before anything else is done with it."""
+    store = open_store(uri, settings, tenant=tenant, area=area)
+    if isinstance(store, FileStore):
+        store.path_of(uri)
+    elif isinstance(store, S3Store):
+        store.split(uri)
+
+
+# --- where a URI may point: strict parsing and each tenant's prefixes -----------------
+
+#: The object store's areas; a tenant's part of each is ``<store>/<area>/<tenant>/``.
+Area = Literal["artifacts", "job-inputs", "batch"]
+
+_BUCKET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
+_PERCENT = re.compile(r"%(?![0-9A-Fa-f]{2})")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+#: Symbolic links followed at most while resolving one path (the kernel's own limit).
+MAX_SYMLINKS = 40
+
+
+@dataclass(frozen=True, slots=True)
+class Location:
+    """A URI parsed strictly: what the store reads is exactly what was checked."""
+
+    scheme: Literal["file", "s3"]
+    bucket: str
+    """The bucket of an ``s3://`` URI; empty for ``file://``."""
+    segments: tuple[str, ...]
+    """The path's segments: decoded for ``file://`` (what is opened), as written for
+    ``s3://`` (the key; S3 does not decode it)."""
+    directory: bool
+    """The URI ended with ``/``."""
+
+    @property
+    def path(self) -> str:
+        return "/" + "/".join(self.segments)
+
+    @property
+    def key(self) -> str:
+        return "/".join(self.segments) + ("/" if self.directory and self.segments else "")
+
+
+def _scheme(uri: object) -> str:
+    if not isinstance(uri, str):
+        return ""
+    try:
+        return urlsplit(uri).scheme
+    except ValueError:
+        return ""
+
+
+def shown(uri: object) -> str:
+    """A URI as an error may repeat it: the caller's own text, quoted and bounded."""
+    text = repr(uri)
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def parse_location(uri: str) -> Location:
+    """``uri`` parsed the way the stores will use it, or ``StoreAccessDenied``.
+
+    Refused before any I/O, for every caller: a query or fragment (``?``, ``#``: a part
+    of the URI the stores would drop), a backslash or control character, a ``.`` or
+    ``..`` segment or an empty one (also percent-encoded: ``%2e%2e``, ``%2f``), a bad
+    percent escape, a ``file://`` URI that is not an absolute local path, an ``s3://``
+    URI whose host is not a bucket name."""
+    if not isinstance(uri, str) or len(uri) > 4096:
+        raise StoreAccessDenied(
+            "a location must be a file:// or s3:// URI of at most 4096 characters"
+        )
+    for char, what in (("?", "a query ('?')"), ("#", "a fragment ('#')"),
+                       ("\\", "a backslash")):  # fmt: skip
+        if char in uri:
+            raise StoreAccessDenied(f"{shown(uri)} must not contain {what}")
+    if _CONTROL.search(uri):
+        raise StoreAccessDenied(f"{shown(uri)} must not contain control characters")
+    try:
+        parts = urlsplit(uri)
+    except ValueError as exc:  # e.g. an unbalanced '[' in the host
+        raise StoreAccessDenied(f"{shown(uri)} is not a valid URI") from exc
+    if parts.scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise StoreAccessDenied(f"{shown(uri)} is not a local file:// URI")
+        if not parts.path.startswith("/"):
+            raise StoreAccessDenied(f"{shown(uri)} is not an absolute file path")
+    elif parts.scheme == "s3":
+        if not _BUCKET.match(parts.netloc):
+            raise StoreAccessDenied(f"{shown(uri)} is not an s3://bucket/key URI")
+        if parts.path and not parts.path.startswith("/"):
+            raise StoreAccessDenied(f"{shown(uri)} is not an s3://bucket/key URI")
+    else:
+        raise StoreAccessDenied(
+            f"unsupported URI scheme {parts.scheme[:20]!r}: use file:// or s3://"
+        )
+    raw = parts.path[1:].split("/") if parts.path not in ("", "/") else []
+    directory = parts.path.endswith("/")
+    if raw and raw[-1] == "":
+        raw.pop()
+    decoded: list[str] = []
+    for segment in raw:
+        if _PERCENT.search(segment):
+            raise StoreAccessDenied(f"{shown(uri)} has a malformed percent escape")
+        try:
+            plain = unquote(segment, errors="strict")
+        except UnicodeDecodeError as exc:
+            raise StoreAccessDenied(f"{shown(uri)} has a percent escape that is not UTF-8") from exc
+        for text in (segment, plain):
+            if text in ("", ".", ".."):
+                raise StoreAccessDenied(
+                    f"{shown(uri)} must not contain empty, '.' or '..' path segments"
+                )
+        if "/" in plain or "\\" in plain or _CONTROL.search(plain):
+            raise StoreAccessDenied(
+                f"{shown(uri)} must not encode '/', a backslash or a control character"
+            )
+        decoded.append(plain)
+    if parts.scheme == "file":
+        return Location("file", "", tuple(decoded), directory)
+    return Location("s3", parts.netloc, tuple(raw), directory)
+
+
+def resolve_path(
+    path: Path, *, fence: Path | None = None, fenced: Callable[[Path], bool] | None = None
+) -> Path | None:
+    """``path`` (absolute, without ``..``) with every symbolic link followed, one
+    component at a time, or None where the resolution leaves its fence: ``fence`` from
+    the start (a tenant's prefix: ``path`` must lie under it, and nothing outside it is
+    looked at), or the first directory ``fenced`` names once the resolution enters it (a
+    tenant's part of a store), narrowed by each further one. A link that leads out of the
+    fence, or out and back in, is refused; as nothing outside the fence is looked at, the
+    refusal says nothing about what exists there."""
+    if fence is not None:
+        if Path(os.path.realpath(fence)) != fence:  # the fence itself: no link on the way
+            return None
+        if not (path == fence or fence in path.parents):
+            return None
+        current = fence
+        pending = list(reversed(path.relative_to(fence).parts))
+    else:
+        current = Path("/")
+        pending = list(reversed(path.parts[1:]))
+    links = 0
+    while pending:
+        part = pending.pop()
+        if part in ("", "."):
+            continue
+        if part == "..":  # only from a link's target: a URI's own segments have none
+            if fence is not None and current == fence:
+                return None
+            current = current.parent
+            continue
+        candidate = current / part
+        try:
+            mode = os.lstat(candidate).st_mode
+        except OSError:
+            # Absent (or a file on the way): no link below it can be followed; the rest is
+            # taken as written, and the read fails where it is.
+            rest = [p for p in reversed(pending) if p not in ("", ".")]
+            return None if ".." in rest else candidate.joinpath(*rest)
+        if not statmod.S_ISLNK(mode):
+            current = candidate
+            if fenced is not None and fenced(current):
+                fence = current
+            continue
+        links += 1
+        if links > MAX_SYMLINKS:
+            return None
+        try:
+            target = os.readlink(candidate)
+        except OSError:
+            return None
+        if os.path.isabs(target):
+            inside = Path(target).parts[1:]
+            if fence is None:
+                current = Path("/")
+                pending.extend(reversed(inside))
+                continue
+            mine = fence.parts[1:]
+            if tuple(inside[: len(mine)]) != mine:
+                return None
+            current = fence
+            pending.extend(reversed(inside[len(mine) :]))
+        else:
+            pending.extend(reversed(target.split("/")))
+    return current
+
+
+def _partitions(settings: Settings) -> Callable[[Path], bool]:
+    """Whether a (real) directory is one tenant's part of a store: ``<store>/<area>/<x>``
+    of a ``file://`` object store, ``<root>/<x>`` of an extra file root."""
+    store = urlsplit(settings.store_url)
+    store_root = Path(os.path.realpath(unquote(store.path))) if store.scheme == "file" else None
+    extra = {Path(os.path.realpath(r)) for r in settings.file_roots}
+
+    def fenced(path: Path) -> bool:
+        return path.parent in extra or (store_root is not None and path.parent.parent == store_root)
+
+    return fenced
+
+
+def _overlaps(a: Path, b: Path) -> bool:
+    return a == b or a in b.parents or b in a.parents
+
+
+def _file_prefixes(settings: Settings, tenant: str, area: Area) -> list[Path]:
+    """``<object store>/<area>/<tenant>`` and ``<root>/<tenant>`` of every extra file
+    root, leaving out one that overlaps what no tenant may read (the data directory, the
+    weight cache, the object store, the prediction log, another root)."""
+    found: list[Path] = []
+    store = urlsplit(settings.store_url)
+    store_root = Path(os.path.realpath(unquote(store.path))) if store.scheme == "file" else None
+    if store_root is not None:
+        found.append(store_root / area / tenant)
+    extra = [Path(os.path.realpath(r)) for r in settings.file_roots]
+    private = [Path(os.path.realpath(settings.data_dir)),
+               Path(os.path.realpath(settings.weight_cache_dir))]  # fmt: skip
+    if store_root is not None:
+        private.append(store_root)
+    log_target = urlsplit(settings.prediction_log_target)
+    if log_target.scheme == "file":
+        private.append(Path(os.path.realpath(unquote(log_target.path))))
+    for root in extra:
+        if root == store_root:
+            continue
+        prefix = root / tenant
+        if any(_overlaps(prefix, p) for p in private):
+            continue
+        if any(o != root and (o == prefix or prefix in o.parents) for o in extra):
+            continue
+        found.append(prefix)
+    return found
+
+
+def _s3_segments(url: str) -> tuple[str, tuple[str, ...]] | None:
+    parts = urlsplit(url)
+    if parts.scheme != "s3":
+        return None
+    return parts.netloc, tuple(p for p in parts.path.split("/") if p)
+
+
+def _s3_prefixes(settings: Settings, tenant: str, area: Area) -> list[tuple[str, tuple[str, ...]]]:
+    """``<store>/<area>/<tenant>`` when the object store is S3, and ``<bucket>/<tenant>``
+    of every bucket named in ``EMBER_S3_ALLOWED_BUCKETS`` (``*`` gives tenants nothing),
+    leaving out one that overlaps the object store or the prediction log."""
+    found: list[tuple[str, tuple[str, ...]]] = []
+    store = _s3_segments(settings.store_url)
+    if store is not None:
+        found.append((store[0], (*store[1], area, tenant)))
+    private = [p for p in (store, _s3_segments(settings.prediction_log_target)) if p]
+    for bucket in sorted(settings.s3_allowed_buckets):
+        if bucket == "*":
+            continue
+        mine = (tenant,)
+        if any(
+            b == bucket and (mine[: len(keys)] == keys or keys[: len(mine)] == mine)
+            for b, keys in private
+        ):
+            continue
+        found.append((bucket, mine))
+    return found
+
+
+def tenant_prefixes(settings: Settings, tenant: str, area: Area = "artifacts") -> list[str]:
+    """The URI prefixes ``tenant`` may name for ``area``, each ending with ``/`` (server
+    paths: for the operator and the tests, never for an error)."""
+    files = [p.as_uri() + "/" for p in _file_prefixes(settings, tenant, area)]
+    buckets = ["s3://" + "/".join((b, *k)) + "/" for b, k in _s3_prefixes(settings, tenant, area)]
+    return files + buckets
+
+
+def under_tenant_prefix(
+    uri: str, settings: Settings, tenant: str, area: Area = "artifacts"
+) -> bool:
+    """Whether ``uri`` names a place under one of ``tenant``'s prefixes, as written (no
+    I/O; links are ``resolve_path``'s business)."""
+    try:
+        location = parse_location(uri)
+    except StoreAccessDenied:
+        return False
+    if location.scheme == "file":
+        path = Path(location.path)
+        return any(path == p or p in path.parents for p in _file_prefixes(settings, tenant, area))
+    parts = location.segments
+    return any(
+        location.bucket == b and len(parts) > len(p) and parts[: len(p)] == p
+        for b, p in _s3_prefixes(settings, tenant, area)
+    )
+
+
+def _tenant_refusal(tenant: str, area: Area) -> Callable[[str], StoreAccessDenied]:
+    def refuse(uri: str) -> StoreAccessDenied:
+        return StoreAccessDenied(
+            f"{shown(uri)} is not under tenant {tenant!r}'s own prefix: the object store's "
+            f"{area}/{tenant}/, or {tenant}/ at the top of an extra file root or allowed "
+            "bucket (only admin keys may name other locations)"
+        )
+
+    return refuse
 
 
 def join_uri(base: str, *parts: str) -> str:

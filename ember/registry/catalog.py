@@ -21,6 +21,7 @@ from ember.registry.schemas import (
     ModelVersionPublic,
 )
 from ember.registry.tables import Deployment, Model, ModelVersion, VersionStatus
+from ember.registry.tenants import Principal
 
 log = get_logger(__name__)
 
@@ -91,17 +92,26 @@ def delete_model(session: Session, tenant_id: int, name: str) -> None:
 
 
 def register_version(
-    session: Session, settings: Settings, model: Model, body: ModelVersionCreate
+    session: Session,
+    settings: Settings,
+    model: Model,
+    body: ModelVersionCreate,
+    principal: Principal | None = None,
 ) -> ModelVersion:
     """Store a new immutable version; validate now if small, else leave it ``pending``.
 
-    Location errors (not allowed, not found) and, for inline validation, content errors
-    raise before anything is stored, so a corrected registration can reuse the name.
+    A tenant key's ``artifact_uri`` must lie under its tenant's own prefix
+    (``stores.tenant_prefixes``): refused before the object is looked at. Admin keys
+    (acting for a tenant or not) and callers without a principal (the seeding at first
+    start) may name any allowed location. Location errors (not allowed, not found) and,
+    for inline validation, content errors raise before anything is stored, so a
+    corrected registration can reuse the name.
     """
+    confine = None if principal is None or principal.is_admin else principal.tenant
     if _find_version(session, model, body.version) is not None:
         raise Conflict(f"version {body.version!r} of model {model.name!r} already exists")
     with model_context(model.name, body.version):
-        info = validation.locate(body.artifact_uri, settings)
+        info = validation.locate(body.artifact_uri, settings, confine)
         version = ModelVersion(
             model_id=model.id or 0,
             version=body.version,
@@ -113,7 +123,7 @@ def register_version(
             expected_sha256=body.sha256,
         )
         if info.size <= settings.validate_inline_max_bytes:
-            facts = validation.inspect_artifact(body.artifact_uri, settings, body.sha256)
+            facts = validation.inspect_artifact(body.artifact_uri, settings, body.sha256, confine)
             validation.apply_facts(version, facts)
         session.add(version)
         try:

@@ -18,10 +18,10 @@ from sqlmodel import select
 from ember.config import Settings
 from ember.errors import ArtifactError, EmberError, LoaderError
 from ember.loader.safetensors import PREFIX_BYTES, parse_header, read_header_len
-from ember.loader.stores import ObjectInfo, open_store
+from ember.loader.stores import ObjectInfo, open_store, under_tenant_prefix
 from ember.logs import get_logger, model_context
 from ember.registry.db import session_scope
-from ember.registry.tables import Model, ModelVersion, VersionStatus
+from ember.registry.tables import Model, ModelVersion, Tenant, VersionStatus
 
 log = get_logger(__name__)
 
@@ -34,14 +34,19 @@ class ArtifactFacts:
     etag: str
 
 
-def locate(uri: str, settings: Settings) -> ObjectInfo:
-    """Cheap checks done before anything is stored: allowed location, object exists."""
-    return open_store(uri, settings).stat(uri)
+def locate(uri: str, settings: Settings, tenant: str | None = None) -> ObjectInfo:
+    """Cheap checks done before anything is stored: allowed location (with ``tenant``:
+    under that tenant's own prefix, checked before the object is looked at, so a refusal
+    says nothing of what exists there), object exists."""
+    return open_store(uri, settings, tenant=tenant).stat(uri)
 
 
-def inspect_artifact(uri: str, settings: Settings, expected_sha256: str | None) -> ArtifactFacts:
-    """Read the header defensively and digest the whole object (streamed, never in memory)."""
-    store = open_store(uri, settings)
+def inspect_artifact(
+    uri: str, settings: Settings, expected_sha256: str | None, tenant: str | None = None
+) -> ArtifactFacts:
+    """Read the header defensively and digest the whole object (streamed, never in memory).
+    With ``tenant``, every read is confined to that tenant's prefix, as ``locate``."""
+    store = open_store(uri, settings, tenant=tenant)
     info = store.stat(uri)
     prefix = store.read_range(uri, 0, min(PREFIX_BYTES, info.size), etag=info.etag)
     header_len = read_header_len(prefix, info.size, settings.artifact_max_header_bytes)
@@ -99,9 +104,20 @@ class BackgroundValidator:
                 return
             uri, expected = version.artifact_uri, version.expected_sha256
             name, ver = model.name, version.version
+            tenant = session.get(Tenant, model.tenant_id)
+            # A URI under its tenant's prefix is read as that tenant's (a link put there
+            # since registration cannot lead out of it); one an admin registered elsewhere
+            # as the admin's.
+            confine = (
+                tenant.name
+                if tenant is not None and under_tenant_prefix(uri, self.settings, tenant.name)
+                else None
+            )
         with model_context(name, ver):
             try:
-                facts: ArtifactFacts | None = inspect_artifact(uri, self.settings, expected)
+                facts: ArtifactFacts | None = inspect_artifact(
+                    uri, self.settings, expected, confine
+                )
                 reason = None
             except LoaderError as exc:
                 facts, reason = None, exc.detail
