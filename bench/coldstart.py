@@ -41,6 +41,7 @@ import hashlib
 import json
 import os
 import resource
+import secrets
 import shutil
 import statistics
 import subprocess
@@ -59,6 +60,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from ember.engine.spec import REPLICA_SECRET_ENV, REPLICA_SECRET_HEADER  # noqa: E402
 from ember.loader import pagecache  # noqa: E402 - torch-free: this process never imports torch
 from tests.services import free_port, moto_server  # noqa: E402
 
@@ -104,10 +106,12 @@ class Replica:
     log: Path
     spawned: float
     spawned_wall: float
+    secret: str = ""
     client: httpx.Client = field(init=False)
 
     def __post_init__(self) -> None:
-        self.client = httpx.Client(base_url=self.url, timeout=300, trust_env=False)
+        headers = {REPLICA_SECRET_HEADER: self.secret} if self.secret else {}
+        self.client = httpx.Client(base_url=self.url, timeout=300, trust_env=False, headers=headers)
 
     def alive(self) -> None:
         if self.proc.poll() is not None:
@@ -193,10 +197,12 @@ class Bench:
             spec_file.write_text(json.dumps(spec))
             cmd += ["--spec-file", str(spec_file)]
         log = self.work / f"engine-{port}.log"
+        secret = secrets.token_urlsafe(32)  # the replica API's, as the local backend makes it
+        env = self.env | {REPLICA_SECRET_ENV: secret}
         with log.open("wb") as out:
             wall, t0 = time.time(), time.perf_counter()
-            proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT)
-        replica = Replica(proc, f"http://127.0.0.1:{port}", log, t0, wall)
+            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        replica = Replica(proc, f"http://127.0.0.1:{port}", log, t0, wall, secret)
         self.live.append(replica)
         return replica
 

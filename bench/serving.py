@@ -975,7 +975,8 @@ def replica_counters(started: Started) -> tuple[float, float] | None:
         return None
     try:
         ready = started.extra["replicas"]()
-        text = httpx.get(f"{ready[0]['url']}/metrics", timeout=10).text
+        auth = replica_auth(ready[0]["pid"])
+        text = httpx.get(f"{ready[0]['url']}/metrics", headers=auth, timeout=10).text
     except (httpx.HTTPError, IndexError, KeyError):
         return None
     total = {"ember_forward_passes_total": 0.0, "ember_inferences_total": 0.0}
@@ -1003,6 +1004,20 @@ def ember_split(started: Started, w: Window) -> dict[str, Any]:
     return {"cpu_api_share": api / total, "cpu_replica_share": rep / total}
 
 
+def replica_auth(pid: int | None) -> dict[str, str]:
+    """The replica API's secret header, read from the replica's environment as the API's
+    user may (``/proc/<pid>/environ``): the bench calls the replica directly."""
+    from ember.engine.spec import REPLICA_SECRET_ENV, REPLICA_SECRET_HEADER
+
+    if pid is None:
+        return {}
+    prefix = REPLICA_SECRET_ENV.encode() + b"="
+    for entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+        if entry.startswith(prefix):
+            return {REPLICA_SECRET_HEADER: entry[len(prefix) :].decode()}
+    return {}
+
+
 def ember_extras(started: Started, ctx: Ctx, bodies: list[bytes], work: Path) -> dict[str, Any]:
     """The replica alone (wrk on /infer) and the gateway overhead (interleaved rounds)."""
     args = ctx.args
@@ -1011,8 +1026,8 @@ def ember_extras(started: Started, ctx: Ctx, bodies: list[bytes], work: Path) ->
         return {}
     replica = f"{ready[0]['url']}/infer"
     direct = [_json({"instances": [s]}) for s in SENTENCES]
-    json_h = {"Content-Type": "application/json"}
-    gateway_h = json_h | started.headers
+    gateway_h = {"Content-Type": "application/json"} | started.headers
+    json_h = {"Content-Type": "application/json"} | replica_auth(ready[0]["pid"])
     out: dict[str, Any] = {}
     counters = replica_counters(started)
     with Window(started.tag, started.proc.pid) as w:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gc
+import ipaddress
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -52,9 +54,21 @@ def engine(
         int, typer.Option(min=0, help="Standby on CPU: host memory to fault in for the weights.")
     ] = 0,
 ) -> None:
-    """Run one replica of one model version (or a standby process) on HOST:PORT."""
+    """Run one replica of one model version (or a standby process) on HOST:PORT.
+
+    Its API needs the secret given in ``EMBER_REPLICA_SECRET`` (read and removed from the
+    environment at once) on every route but ``/healthz`` and ``/readyz``; started without
+    one (by hand), it serves unauthenticated on a loopback address only."""
+    from ember.engine.spec import REPLICA_SECRET_ENV
     from ember.engine.threads import apply_thread_limits, cpu_budget
 
+    secret = os.environ.pop(REPLICA_SECRET_ENV, None) or None
+    if secret is None and not _loopback(host):
+        err.print(
+            f"[red]{REPLICA_SECRET_ENV} is not set: a replica without a secret serves only on "
+            "a loopback address (--host 127.0.0.1)[/red]"
+        )
+        raise typer.Exit(2)
     budget = cpu_budget(override=threads)
     apply_thread_limits(budget)  # before torch is imported: OpenMP reads it once
     settings = load_settings()
@@ -84,7 +98,17 @@ def engine(
             "max_batch_units": max_batch_units,
         },
         reserve_bytes,
+        secret,
     )
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _serve_replica(
@@ -97,6 +121,7 @@ def _serve_replica(
     budget: CpuBudget,
     policy: dict[str, Any],
     reserve_bytes: int = 0,
+    secret: str | None = None,
 ) -> None:
     import uvicorn
 
@@ -132,9 +157,18 @@ def _serve_replica(
         threads_source=budget.source,
         port=port,
         standby=spec is None,
+        uid=os.geteuid(),
     )
+    if secret is None:
+        get_logger(__name__).warning(
+            "no replica secret: the replica's API is unauthenticated (loopback only)"
+        )
     uvicorn.run(
-        create_replica_app(replica, spec), host=host, port=port, log_config=None, access_log=False
+        create_replica_app(replica, spec, secret),
+        host=host,
+        port=port,
+        log_config=None,
+        access_log=False,
     )
 
 
@@ -143,9 +177,12 @@ def calibrate(
     ref: Annotated[str, typer.Argument(metavar="MODEL:VERSION")],
     device: Annotated[str, typer.Option(help="Device to calibrate on.")] = "cpu",
     repeats: Annotated[int, typer.Option(min=1, max=100)] = 5,
+    tenant: Annotated[
+        str | None, typer.Option(help="The version's tenant (default: the admin key's).")
+    ] = None,
 ) -> None:
     """Measure MODEL:VERSION on this machine, fit its cost model (model units) and store
-    it on the version for this hardware."""
+    it on the version for this hardware. Needs an admin key (``EMBER_API_KEY``)."""
     from ember.client import EmberClient
     from ember.costmodel import hardware_key
     from ember.engine.base import engine_class
@@ -157,6 +194,8 @@ def calibrate(
         raise typer.BadParameter("give MODEL:VERSION")
     settings = load_settings()
     api = EmberClient.from_env()
+    if tenant:
+        api.http.headers["X-Ember-Tenant"] = tenant
     with friendly_errors():
         row = api.get(f"/v1/models/{model}/versions/{version}")
         spec = VersionSpec(

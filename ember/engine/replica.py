@@ -3,22 +3,37 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
+from contextlib import suppress
+from dataclasses import dataclass
 from typing import Any
 
 from ember.config import Settings
 from ember.engine.base import Engine, engine_class
 from ember.engine.metrics import EngineMetrics
+from ember.engine.privileges import drop_to, tenant_home
 from ember.engine.scheduler import Scheduler
 from ember.engine.spec import BatchPolicy, Priority, Tier, VersionSpec
 from ember.engine.threads import CpuBudget, apply_thread_limits
 from ember.errors import Conflict, EmberError, NotReady
+from ember.loader.cache import tenant_cache_dir
 from ember.loader.pagecache import RESERVE
 from ember.logs import bind_process, get_logger
 
 log = get_logger(__name__)
 PROBE_TIMEOUT_MS = 10_000
+
+
+@dataclass(frozen=True)
+class Tenancy:
+    """Whose version a standby process is assigned (``POST /assign``'s query)."""
+
+    tenant_id: int
+    uid: int | None = None
+    """Drop to this uid first (a standby process started as root); None: stay."""
+    gid: int | None = None
 
 
 class Replica:
@@ -55,12 +70,21 @@ class Replica:
         spec: VersionSpec,
         policy: dict[str, Any] | None = None,
         threads: int | None = None,
+        tenant: Tenancy | None = None,
     ) -> None:
         """Load ``spec`` (a standby process becomes this version's replica). ``policy``
         (BatchPolicy fields) and ``threads`` are the deployment's, for a standby process
-        started before anyone knew which deployment it would serve."""
+        started before anyone knew which deployment it would serve; ``tenant``: whose
+        version it is (its cache directory, its home, the uid to drop to first)."""
         if self.spec is not None:
             raise Conflict(f"replica already serves {self.spec.model}:{self.spec.version}")
+        if tenant is not None:
+            try:
+                self._enter_tenant(tenant)
+            except OSError as exc:
+                self.state, self.failure = "failed", f"cannot become the tenant's user: {exc}"
+                log.error("assign failed", reason=self.failure)
+                return
         if policy:
             self.policy = BatchPolicy.model_validate(self.policy.model_dump() | policy)
         if threads is not None and threads != self.threads:
@@ -85,6 +109,18 @@ class Replica:
         self.scheduler.start()
         self.state = "ready"
         log.info("replica ready", tier=self.tier.value, load_s=round(self.load_seconds, 3))
+
+    def _enter_tenant(self, tenant: Tenancy) -> None:
+        """Become the tenant's: drop to its uid (irreversibly, before anything of the
+        version is read or imported), then use its weight cache and home."""
+        if tenant.uid is not None:
+            drop_to(tenant.uid, tenant.gid if tenant.gid is not None else tenant.uid)
+        cache = tenant_cache_dir(self.settings.weight_cache_dir, tenant.tenant_id)
+        self.settings = self.settings.model_copy(update={"cache_dir": cache})
+        home = tenant_home(self.settings.data_dir, tenant.tenant_id)
+        os.environ["HOME"] = str(home)
+        with suppress(OSError):
+            os.chdir(home)
 
     def _build(self, spec: VersionSpec) -> Engine:
         try:

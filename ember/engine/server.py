@@ -5,11 +5,16 @@ gateway call it, clients never do).
 tensor body (``Content-Type: application/x-ember-tensor; dtype=...; shape=N,...``, the
 instances' bytes; ``X-Ember-Priority`` and ``X-Ember-Timeout-Ms`` headers): the batch
 lane's form, read with ``np.frombuffer`` into one array that the engine checks whole.
-Either way the answer is ``{"predictions": [...], "model", "version"}``."""
+Either way the answer is ``{"predictions": [...], "model", "version"}``.
+
+Every route but the probes (``/healthz``, ``/readyz``) needs the replica's secret in
+``X-Ember-Replica-Secret`` (``ReplicaApp``): the lean lane, the control routes and an
+engine's own routes (vLLM's OpenAI API, mounted once assigned) alike."""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import re
 import time
 from collections.abc import AsyncIterator
@@ -20,13 +25,14 @@ import pydantic_core
 from fastapi import FastAPI, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.types import Scope
+from starlette.requests import Request as StarletteRequest
+from starlette.types import Receive, Scope, Send
 
 from ember.api import problems
 from ember.api.lane import Answer, LaneApp, header_values
 from ember.api.middleware import BodyLimit, RequestContext
-from ember.engine.replica import Replica
-from ember.engine.spec import Priority, Tier, VersionSpec
+from ember.engine.replica import Replica, Tenancy
+from ember.engine.spec import REPLICA_SECRET_HEADER, Priority, Tier, VersionSpec
 from ember.engine.tensorbody import (
     TIMEOUT_HEADER,
     TensorBody,
@@ -35,7 +41,7 @@ from ember.engine.tensorbody import (
     timeout_header,
 )
 from ember.engine.tensorbody import parse as parse_tensor
-from ember.errors import InvalidInput
+from ember.errors import InvalidInput, Unauthenticated
 from ember.logs import get_logger
 
 log = get_logger(__name__)
@@ -69,13 +75,65 @@ class AssignParams(BaseModel):
     max_queue_delay_ms: float | None = Field(None, ge=0, le=10_000)
     max_queue: int | None = Field(None, ge=1)
     threads: int | None = Field(None, ge=1, le=1024)
+    tenant_id: int | None = Field(None, ge=0)
+    """Whose version: the replica uses the tenant's cache directory and home."""
+    uid: int | None = Field(None, ge=1)
+    """Drop to this uid (and ``gid``) before reading the version (a root standby process)."""
+    gid: int | None = Field(None, ge=1)
 
 
-def create_replica_app(replica: Replica, spec: VersionSpec | None) -> FastAPI:
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+"""The probes: served without the secret (a kubelet or the controller's idle probe)."""
+_SECRET_HEADER = REPLICA_SECRET_HEADER.lower().encode("latin-1")
+
+
+class ReplicaApp(LaneApp):
+    """The replica's app: in front of everything (lanes, middleware, routes mounted later),
+    a request to any path but ``OPEN_PATHS`` must carry ``secret`` (``None``: no check)."""
+
+    secret: bytes | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        secret = self.secret
+        if secret is not None and scope["type"] != "lifespan" and scope["path"] not in OPEN_PATHS:
+            given = b""
+            for key, value in scope["headers"]:
+                if key == _SECRET_HEADER:
+                    given = value
+                    break
+            if not hmac.compare_digest(given, secret):
+                await _refuse(scope, send)
+                return
+        await super().__call__(scope, receive, send)
+
+
+async def _refuse(scope: Scope, send: Send) -> None:
+    """A 401 problem that says only what is missing (a websocket is closed unaccepted)."""
+    if scope["type"] == "websocket":
+        await send({"type": "websocket.close", "code": 1008})
+        return
+    exc = Unauthenticated("this replica's API needs its secret")
+    response = await problems.ember_error_response(StarletteRequest(scope), exc)
+    await send({"type": "http.response.start", "status": response.status_code,
+                "headers": response.raw_headers})  # fmt: skip
+    await send({"type": "http.response.body", "body": response.body})
+
+
+def create_replica_app(
+    replica: Replica, spec: VersionSpec | None, secret: str | None = None
+) -> FastAPI:
+    """The replica's API; ``secret``: what every call but the probes must carry (None: a
+    replica started by hand on loopback, unauthenticated)."""
+
     async def assign_and_mount(version: VersionSpec, params: AssignParams | None = None) -> None:
         params = params or AssignParams()
-        policy = params.model_dump(exclude_none=True, exclude={"threads"})
-        await replica.assign(version, policy, params.threads)
+        policy = params.model_dump(
+            exclude_none=True, exclude={"threads", "tenant_id", "uid", "gid"}
+        )
+        tenant = None
+        if params.tenant_id is not None:
+            tenant = Tenancy(params.tenant_id, params.uid, params.gid)
+        await replica.assign(version, policy, params.threads, tenant)
         router = replica.engine.routes() if replica.engine and replica.state == "ready" else None
         if router is not None:
             app.include_router(router)
@@ -90,7 +148,8 @@ def create_replica_app(replica: Replica, spec: VersionSpec | None) -> FastAPI:
                 loading.cancel()
             await replica.close()
 
-    app = LaneApp(title="Ember replica", lifespan=lifespan, openapi_url=None)
+    app = ReplicaApp(title="Ember replica", lifespan=lifespan, openapi_url=None)
+    app.secret = secret.encode("latin-1") if secret else None
     app.state.replica = replica
     problems.install(app)
 

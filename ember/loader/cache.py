@@ -1,8 +1,11 @@
 """The NVMe weight cache: content-addressed, single-flight, atomic, verified, LRU.
 
-Layout under ``EMBER_CACHE_DIR``::
+Layout under ``EMBER_CACHE_DIR``: one directory per tenant, ``t<tenant id>/`` (0700, its
+replicas' uid's where they run as one: ``tenant_cache_dir``), each a cache of its own
+with its own budget; a replica's cache root *is* its tenant's directory, the API's warm
+set names the tenant in the key (``CacheKey.tenant``)::
 
-    .lock                                   global lock: budget accounting and eviction
+    .lock                                   the cache's lock: budget accounting and eviction
     .trash/                                 evicted entries on their way out
     v1/<model>/<version>/<sha256>/
         weights.safetensors                 complete and verified (appears only by rename)
@@ -72,11 +75,19 @@ class CacheLockTimeout(LoaderError):
     title = "Cache entry busy"
 
 
+def tenant_cache_dir(root: Path, tenant_id: int) -> Path:
+    """Tenant ``tenant_id``'s weight cache under the cache root ``root``."""
+    return root / f"t{int(tenant_id)}"
+
+
 @dataclass(frozen=True, slots=True)
 class CacheKey:
     model: str
     version: str
     sha256: str
+    tenant: int | None = None
+    """The tenant's directory under this cache's root (``tenant_cache_dir``); None where
+    the root is the tenant's directory already (a replica's cache)."""
 
     def __post_init__(self) -> None:
         if not self.model or not self.version or "\x00" in self.model + self.version:
@@ -202,7 +213,8 @@ class WeightCache:
 
     # --- paths ---------------------------------------------------------------------
     def entry_dir(self, key: CacheKey) -> Path:
-        return self.root / "v1" / _component(key.model) / _component(key.version) / key.sha256
+        root = self.root if key.tenant is None else tenant_cache_dir(self.root, key.tenant)
+        return root / "v1" / _component(key.model) / _component(key.version) / key.sha256
 
     def weights_path(self, key: CacheKey) -> Path:
         return self.entry_dir(key) / WEIGHTS
@@ -434,14 +446,22 @@ class WeightCache:
     def ls(self) -> list[CacheEntry]:
         """Every entry (complete or being filled), read from the file system."""
         out: list[CacheEntry] = []
-        base = self.root / "v1"
-        for entry in sorted(base.glob("*/*/*")) if base.is_dir() else []:
-            found = self._describe(entry)
-            if found is not None:
-                out.append(found)
+        bases: list[tuple[int | None, Path]] = [(None, self.root / "v1")]
+        if self.root.is_dir():
+            tenants = [d for d in self.root.glob("t*") if d.name[1:].isdigit()]
+            bases += [(int(d.name[1:]), d / "v1") for d in sorted(tenants)]
+        for tenant, base in bases:
+            try:
+                entries = sorted(base.glob("*/*/*")) if base.is_dir() else []
+            except PermissionError:  # another tenant's directory, seen from a replica
+                continue
+            for entry in entries:
+                found = self._describe(entry, tenant)
+                if found is not None:
+                    out.append(found)
         return out
 
-    def _describe(self, entry: Path) -> CacheEntry | None:
+    def _describe(self, entry: Path, tenant: int | None = None) -> CacheEntry | None:
         try:
             meta = json.loads((entry / "meta.json").read_text())
         except (FileNotFoundError, ValueError):
@@ -451,7 +471,7 @@ class WeightCache:
         if not complete and not part.exists():
             return None  # only locks (a pin taken before a fill): nothing on disk to show
         if complete and meta is not None:
-            key = CacheKey(meta["model"], meta["version"], meta["sha256"])
+            key = CacheKey(meta["model"], meta["version"], meta["sha256"], tenant)
             size, last_used, source = weights.stat().st_size, weights.stat().st_mtime, None
             source = meta.get("source_uri")
         else:
@@ -461,7 +481,7 @@ class WeightCache:
                 state = {}
             try:
                 key = CacheKey(unquote(entry.parent.parent.name), unquote(entry.parent.name),
-                               entry.name)  # fmt: skip
+                               entry.name, tenant)  # fmt: skip
             except LoaderError:
                 return None  # not a directory this cache made
             size = int(state.get("size", 0)) if part.exists() else 0

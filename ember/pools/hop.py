@@ -24,6 +24,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import cast
 
+from ember.engine.spec import REPLICA_SECRET_HEADER
+
 KEEPALIVE_S = 3.0
 """Idle connections older than this are not reused (uvicorn closes them after 5 s)."""
 MAX_IDLE = 256
@@ -195,7 +197,7 @@ class ReplicaClient:
         self.keepalive_s = keepalive_s
         self.max_idle = max_idle
         self._idle: dict[tuple[str, int], deque[_Connection]] = {}
-        self._heads: dict[tuple[str, int, str], bytes] = {}
+        self._heads: dict[tuple[str, int, str, str], bytes] = {}
 
     async def post(
         self,
@@ -205,11 +207,14 @@ class ReplicaClient:
         headers: dict[str, str],
         timeout_s: float,
         content_type: str = "application/json",
+        secret: str = "",
     ) -> HopAnswer:
         """POST ``body`` (JSON unless ``content_type`` says otherwise) to ``base_url +
-        path``; the complete answer."""
+        path``; the complete answer. ``secret``: the replica API's (sent as
+        ``REPLICA_SECRET_HEADER``; the head that carries it is made once per replica)."""
         host, port = _host_port(base_url)
-        request = self._head(host, port, path) + _request_tail(body, headers, content_type)
+        head = self._head(host, port, path, secret)
+        request = head + _request_tail(body, headers, content_type)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         conn = self._checkout(host, port)
@@ -273,12 +278,13 @@ class ReplicaClient:
             raise ReplicaUnreachable(f"cannot connect to {host}:{port}: {exc}") from exc
         return conn
 
-    def _head(self, host: str, port: int, path: str) -> bytes:
-        key = (host, port, path)
+    def _head(self, host: str, port: int, path: str, secret: str = "") -> bytes:
+        key = (host, port, path, secret)
         head = self._heads.get(key)
         if head is None:
             name = f"[{host}]" if ":" in host else host
-            head = f"POST {path} HTTP/1.1\r\nHost: {name}:{port}\r\n".encode("latin-1")
+            auth = f"{REPLICA_SECRET_HEADER}: {secret}\r\n" if secret else ""
+            head = f"POST {path} HTTP/1.1\r\nHost: {name}:{port}\r\n{auth}".encode("latin-1")
             if len(self._heads) < 4096:
                 self._heads[key] = head
         return head

@@ -28,6 +28,7 @@ import httpx
 from ember.engine.spec import Priority
 from ember.errors import DeadlineExceeded, EngineError, NotFound, NotReady
 from ember.logs import get_logger, model_context
+from ember.pools.backends.base import replica_auth
 from ember.pools.controller import DeploymentView
 from ember.pools.gateway import RETRYABLE_STATUS, Gateway
 from ember.pools.router import Route, pick_replica, pick_version, record_failure, record_success
@@ -148,9 +149,10 @@ class Opened:
         if ok:
             record_success(self.route)
             controller.mark_ok(self.route.replica_id)
-            controller.metrics.requests.labels(self.deployment, self.version, "ok").inc()
-            controller.metrics.success(self.deployment, self.version)
-            controller.metrics.latency.labels(self.deployment, self.version).observe(
+            labels = controller.metrics.of(self.view)
+            controller.metrics.requests.labels(*labels, self.version, "ok").inc()
+            controller.metrics.success(*labels, self.version)
+            controller.metrics.latency.labels(*labels, self.version).observe(
                 time.monotonic() - self.started
             )
         elif self.status >= 500:
@@ -246,7 +248,7 @@ class Passthrough:
                     "POST",
                     f"{route.url}{path}",
                     json=payload,
-                    headers={"X-Ember-Priority": priority.label},
+                    headers={"X-Ember-Priority": priority.label} | replica_auth(route.secret),
                     timeout=httpx.Timeout(remaining_s + 1.0, connect=min(5.0, remaining_s + 1)),
                 )
                 route.inflight_units += units
@@ -258,7 +260,7 @@ class Passthrough:
                         raise
                     record_failure(route)
                     if time.monotonic() < deadline and gateway.budget.try_withdraw():
-                        controller.metrics.requests.labels(view.name, chosen, "retried").inc()
+                        controller.metrics.request(view, chosen, "retried")
                         log.warning("replica unreachable, retrying", replica_id=route.replica_id,
                                     error=type(exc).__name__)  # fmt: skip
                         continue
@@ -273,7 +275,7 @@ class Passthrough:
                     route.inflight_units -= units
                     with anyio.CancelScope(shield=True):
                         await response.aclose()
-                    controller.metrics.requests.labels(view.name, chosen, "retried").inc()
+                    controller.metrics.request(view, chosen, "retried")
                     continue
                 return Opened(
                     gateway,

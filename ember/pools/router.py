@@ -33,6 +33,8 @@ class Route:
     inflight_units: float = 0.0
     consecutive_failures: int = 0
     ejected_until: float = 0.0
+    secret: str = field(default="", repr=False, compare=False)
+    """The replica API's secret (``ReplicaHandle.secret``): every hop sends it."""
 
     def routable(self, now: float) -> bool:
         return now >= self.ejected_until

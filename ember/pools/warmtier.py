@@ -85,7 +85,7 @@ class SharedWarmTier:
                 if weight <= 0 or (key, version) in live or len(sha256) != 64:
                     continue
                 last = self.last_demand.get((key, version), -math.inf)
-                ranked.append((-last, len(ranked), CacheKey(view.model, version, sha256)))
+                ranked.append((-last, len(ranked), CacheKey(view.model, version, sha256, key[0])))
         return [k for _, _, k in sorted(ranked)]
 
     def tick(self, controller: PoolsController) -> None:

@@ -104,5 +104,17 @@ def deploy(live: Live, model: str, version: str = "1", **policy: Any) -> None:
     live.wait(lambda: len(live.ready(model)) >= want, f"{want} ready replicas of {model}")
 
 
+def replica_auth(replica: dict[str, Any]) -> dict[str, str]:
+    """The header that authenticates a call to a live replica's API (its secret, read from
+    its environment as the API's user may: ``/proc/<pid>/environ``)."""
+    from ember.engine.spec import REPLICA_SECRET_ENV, REPLICA_SECRET_HEADER
+
+    prefix = REPLICA_SECRET_ENV.encode() + b"="
+    for entry in Path(f"/proc/{replica['pid']}/environ").read_bytes().split(b"\0"):
+        if entry.startswith(prefix):
+            return {REPLICA_SECRET_HEADER: entry[len(prefix) :].decode()}
+    return {}
+
+
 def since(t0: float) -> float:
     return time.monotonic() - t0

@@ -29,7 +29,7 @@ from ember.pools.router import RetryBudget, Route
 from ember.registry.schemas import PoolPolicy
 from tests import services
 from tests.api.conftest import ADMIN_KEY
-from tests.gateway.conftest import Live, deploy
+from tests.gateway.conftest import Live, deploy, replica_auth
 from tests.gateway.test_hop import answer as http_answer
 from tests.gateway.test_hop import read_request, serve
 from tests.pools.test_controller_autoscale import FakeBackend
@@ -82,9 +82,9 @@ def records(data_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
-def replica_inferences(url: str) -> float:
+def replica_inferences(replica: dict[str, Any]) -> float:
     """Online requests the replica answered (its health probes are not counted)."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    text = httpx.get(f"{replica['url']}/metrics", headers=replica_auth(replica), timeout=10).text
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
@@ -140,7 +140,7 @@ def test_cache_never_answers_for_another_version(live: Live, cache_redis: str) -
 def test_concurrent_identical_misses_run_one_inference(live: Live) -> None:
     live.register("slow", "1", slow_s=0.5)
     deploy(live, "slow", cache_ttl_s=600)
-    replica = live.ready("slow")[0]["url"]
+    replica = live.ready("slow")[0]
     before = replica_inferences(replica)
     x = [0.125] * 256
 
@@ -364,4 +364,7 @@ def test_the_gateway_hedges_only_from_what_was_earned() -> None:
         await gateway.http.aclose()
 
     asyncio.run(serve(stuck, lambda slow_url: serve(quick, lambda ok_url: both(slow_url, ok_url))))
-    assert controller.metrics.hedges.labels("mlp", "1", "sent")._value.get() == 1
+    assert (
+        controller.metrics.hedges.labels(*controller.metrics.of(view), "1", "sent")._value.get()
+        == 1
+    )

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 
 from ember.api.problems import PROBLEM_JSON
-from tests.gateway.conftest import Live, X, deploy, live_api
+from tests.gateway.conftest import Live, X, deploy, live_api, replica_auth
 
 
 def test_predict_canary_and_sticky_sessions(live: Live) -> None:
@@ -66,7 +66,8 @@ def test_predict_canary_and_sticky_sessions(live: Live) -> None:
     assert fine.headers["x-request-id"] == "req-7" and fine.headers["x-ember-rung"] == "model"
     assert fine.headers["content-type"] == "application/json"
     metrics = live.client.get("/metrics").text
-    assert 'ember_gateway_requests_total{deployment="mlp",outcome="ok",version="2"}' in metrics
+    ok = 'ember_gateway_requests_total{deployment="mlp",outcome="ok",tenant="default",version="2"}'
+    assert ok in metrics
 
 
 def test_sigkill_under_load_loses_nothing_and_is_replaced(live: Live) -> None:
@@ -204,7 +205,7 @@ def test_a_deployment_takes_a_ready_standby_process(data_dir: Path) -> None:
         assert replica["replica_id"] == assigned[0]["replica_id"]
         assert live.predict("mlp").status_code == 200
         # it serves with the deployment's batch policy and threads, not the standby's defaults
-        info = httpx.get(f"{replica['url']}/info").json()
+        info = httpx.get(f"{replica['url']}/info", headers=replica_auth(replica)).json()
         assert (info["policy"]["max_batch_size"], info["policy"]["max_queue_delay_ms"]) == (16, 2)
         assert info["threads"] == 1
 

@@ -38,7 +38,7 @@ def test_idle_scale_to_zero_deployment_goes_warm_then_to_zero_and_a_request_wake
         # in the page cache, a reclaim cannot take them.
         sha = client.get("/v1/models/mlp/versions/1").json()["sha256"]
         cached = WeightCache.from_settings(Settings(data_dir=data_dir)).weights_path(
-            CacheKey("mlp", "1", sha)
+            CacheKey("mlp", "1", sha, tenant=1)  # the default tenant's cache directory
         )
         live.wait(
             lambda: "ember_warm_set_versions 1.0" in client.get("/metrics").text,

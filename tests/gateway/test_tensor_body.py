@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from ember.engine.spec import REPLICA_SECRET_HEADER
 from ember.engine.tensorbody import MEDIA_TYPE, TensorBody
 from ember.pools.admission import Admission
 from ember.pools.backends.base import ReplicaHandle
@@ -132,12 +133,14 @@ def test_the_batch_lane_names_the_replicas_a_worker_may_post_to(live: Live) -> N
     assert all(r["window"] == 32 for r in doc["replicas"])  # the replica's 4 batches of 8
     # there, a tensor in and a tensor out, from the version asked for
     body = TensorBody.of(np.ones((8, 256), np.float32))
-    direct = httpx.post(
-        f"{doc['replicas'][0]['url']}/infer",
-        content=body.data,
-        headers={"content-type": body.content_type, "x-ember-priority": "batch",
-                 "accept": MEDIA_TYPE},
-    )  # fmt: skip
+    headers = {"content-type": body.content_type, "x-ember-priority": "batch",
+               "accept": MEDIA_TYPE}  # fmt: skip
+    target = doc["replicas"][0]
+    # with the replica's secret, which the lane hands out (a worker's or admin's key only)
+    refused = httpx.post(f"{target['url']}/infer", content=body.data, headers=headers)
+    assert refused.status_code == 401
+    auth = {REPLICA_SECRET_HEADER: target["secret"]}
+    direct = httpx.post(f"{target['url']}/infer", content=body.data, headers=headers | auth)
     assert direct.status_code == 200 and direct.headers["x-ember-version"] == "1"
     assert direct.headers["content-type"].startswith(f"{MEDIA_TYPE}; dtype=float64; shape=8,16")
     for path, payload, status in [

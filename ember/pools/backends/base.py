@@ -7,6 +7,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ember.engine.spec import REPLICA_SECRET_HEADER
+
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
@@ -22,6 +24,20 @@ class ReplicaHandle:
     pid: int | None = None
     port: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    secret: str = field(default="", repr=False, compare=False)
+    """The replica API's secret (made at launch, ``secrets.token_urlsafe(32)``): every call
+    but the probes sends it as ``REPLICA_SECRET_HEADER``. Never logged (not in ``repr``);
+    empty for a replica that requires none."""
+
+    @property
+    def auth(self) -> dict[str, str]:
+        """The headers that authenticate a call to this replica's API."""
+        return replica_auth(self.secret)
+
+
+def replica_auth(secret: str) -> dict[str, str]:
+    """``{REPLICA_SECRET_HEADER: secret}``, or no header for a replica without a secret."""
+    return {REPLICA_SECRET_HEADER: secret} if secret else {}
 
 
 @dataclass(frozen=True)
@@ -102,6 +118,13 @@ class ReplicaBackend(ABC):
         """Whether this standby replica (``handle``) can be assigned ``spec``: the right
         runtime and, on a cluster, the right hardware and size."""
         return self.standby_can_run(spec)
+
+    def assign_query(
+        self, handle: ReplicaHandle, spec: dict[str, Any], options: LaunchOptions
+    ) -> dict[str, Any]:
+        """What ``POST /assign`` adds to the query for this backend, besides the batch
+        policy (the local backend: the tenant, and the uid the process drops to)."""
+        return {}
 
     def assigned(self, handle: ReplicaHandle, spec: dict[str, Any], options: LaunchOptions) -> None:
         """The controller gave standby ``handle`` a version (cluster backends relabel it)."""
