@@ -7,20 +7,28 @@ scheduler and the kubelet — it creates and deletes Pod objects in kmock to mat
 Deployment's ``spec.replicas`` (deletion cost and readiness pick the victims, like the
 real ReplicaSet), gives each running pod its own loopback IP (127.0.0.N) with a tiny HTTP
 server answering the replica API (``/info``, ``/readyz``, ``/healthz``, ``/assign``,
-``/tier``), sets the pod's phase and Ready condition, keeps a pod Pending
-(``Unschedulable``) where told to, and finishes graceful deletions (a finalizer stands
-in for the kubelet's termination). Nothing here is a real cluster.
+``/tier``; every route but the probes ``/healthz`` and ``/readyz`` requires the pod's
+``EMBER_REPLICA_SECRET`` in ``X-Ember-Replica-Secret``, which the fake kubelet resolves
+from the pod's ``secretKeyRef`` as the real one does — a pod whose Secret does not exist
+waits in ``CreateContainerConfigError``), sets the pod's phase and Ready condition, keeps
+a pod Pending (``Unschedulable``) where told to, and finishes graceful deletions (a
+finalizer stands in for the kubelet's termination). kmock gives created objects no ``metadata.uid``;
+``Emulator`` does, as the API server would (owner references name it). Nothing here is a
+real cluster.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import hmac
 import itertools
 import json
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -29,10 +37,11 @@ from typing import Any
 
 import kmock
 import pytest
-from kmock._internal import parsing
+from kmock._internal import enums, parsing, rendering
 from kubernetes import client
 
 from ember.config import Settings
+from ember.engine.spec import REPLICA_SECRET_ENV, REPLICA_SECRET_HEADER
 from ember.pools.backends import k8s_manifests as m
 from ember.pools.backends.kubernetes import KubernetesBackend
 
@@ -50,6 +59,15 @@ def _guess_k8s(k8s: Any, method: Any, query: dict[str, str]) -> Any:
 parsing.guess_k8s = _guess_k8s
 
 
+class Emulator(kmock.KubernetesEmulator):
+    """kmock's emulator, stamping a ``metadata.uid`` on every object it creates."""
+
+    async def _handle(self, request: rendering.Request) -> Any:
+        if request.action == enums.action.CREATE and isinstance(request.data, dict):
+            request.data.setdefault("metadata", {}).setdefault("uid", str(uuid.uuid4()))
+        return await super()._handle(request)
+
+
 @contextlib.contextmanager
 def kmock_server() -> Iterator[tuple[str, kmock.KubernetesEmulator]]:
     """kmock's emulator on a loopback port, in its own thread and event loop."""
@@ -57,8 +75,9 @@ def kmock_server() -> Iterator[tuple[str, kmock.KubernetesEmulator]]:
     state: dict[str, Any] = {}
 
     async def main() -> None:
-        async with kmock.KubernetesEmulator() as handler, kmock.Server(handler) as server:
-            for resource in ("v1/pods", "apps/v1/deployments", "coordination.k8s.io/v1/leases"):
+        async with Emulator() as handler, kmock.Server(handler) as server:
+            for resource in ("v1/pods", "v1/secrets", "apps/v1/deployments",
+                             "coordination.k8s.io/v1/leases"):  # fmt: skip
                 handler.resources[resource] = {}
             state.update(handler=handler, url=str(server.url).rstrip("/"))
             state["stop"] = asyncio.Event()
@@ -100,11 +119,15 @@ def wait_for(check: Callable[[], Any], what: str, timeout_s: float = 10.0) -> An
 
 
 class FakeReplica:
-    """The replica API of one pod, as ``ember engine`` answers it (no model behind)."""
+    """The replica API of one pod, as ``ember engine`` answers it (no model behind): every
+    route but the probes needs ``secret`` (None: the pod was given none) in the header."""
 
-    def __init__(self, ip: str, port: int, standby: bool) -> None:
+    def __init__(self, ip: str, port: int, standby: bool, secret: str | None) -> None:
         self.state = "standby" if standby else "ready"
         self.tier = "hot"
+        self.secret = secret
+        self.rejected: list[str] = []
+        """Calls refused for a missing or wrong secret (their paths)."""
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -119,7 +142,19 @@ class FakeReplica:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _authorized(self) -> bool:
+                if self.path in ("/healthz", "/readyz") or owner.secret is None:
+                    return True
+                given = self.headers.get(REPLICA_SECRET_HEADER) or ""
+                if hmac.compare_digest(given.encode(), owner.secret.encode()):
+                    return True
+                owner.rejected.append(self.path)
+                self._send(401, {"title": "Unauthorized", "status": 401})
+                return False
+
             def do_GET(self) -> None:
+                if not self._authorized():
+                    return
                 info = {"state": owner.state, "tier": owner.tier}
                 if self.path == "/readyz":
                     ok = owner.state == "ready" and owner.tier == "hot"
@@ -129,6 +164,8 @@ class FakeReplica:
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if not self._authorized():
+                    return
                 if self.path.partition("?")[0] == "/assign":  # the query: the batch policy
                     owner.state = "ready"
                 elif self.path == "/tier":
@@ -167,6 +204,8 @@ class FakeCluster:
         self.unschedulable: set[str] = set()
         """Accelerators with no node: their pods stay Pending."""
         self.replicas: dict[str, FakeReplica] = {}
+        self.config_errors: list[str] = []
+        """Pods that waited for a Secret that did not exist (CreateContainerConfigError)."""
         self._ips = (f"127.0.0.{n}" for n in itertools.count(2))
         self._names = itertools.count(1)
         self._stop = threading.Event()
@@ -248,14 +287,47 @@ class FakeCluster:
             return
         replica = self.replicas.get(name)
         if replica is None:
+            secret = self._secret_of(pod)
+            if secret is False:  # the real kubelet retries too, and starts it once it exists
+                if name not in self.config_errors:
+                    self.config_errors.append(name)
+                if not status:
+                    waiting = {"reason": "CreateContainerConfigError",
+                               "message": "secret not found"}  # fmt: skip
+                    container = {"name": "engine", "ready": False, "restartCount": 0,
+                                 "image": "ember", "imageID": "",
+                                 "state": {"waiting": waiting}}  # fmt: skip
+                    self._status(name, {"phase": "Pending", "containerStatuses": [container]})
+                return
             standby = "--standby" in pod["spec"]["containers"][0]["args"]
             ip = next(self._ips)
-            replica = self.replicas[name] = FakeReplica(ip, self.port, standby)
+            replica = self.replicas[name] = FakeReplica(ip, self.port, standby, secret or None)
             self._status(name, self._running(ip, replica.ready))
             return
         was = any(c.get("type") == "Ready" and c["status"] == "True" for c in status["conditions"])
         if was != replica.ready:
             self._status(name, self._running(status["podIP"], replica.ready))
+
+    def _secret_of(self, pod: dict[str, Any]) -> str | bool | None:
+        """``EMBER_REPLICA_SECRET`` of the pod, resolved from its ``secretKeyRef`` (None: the
+        pod has none; False: its Secret or key does not exist)."""
+        for env in pod["spec"]["containers"][0].get("env") or []:
+            ref = (env.get("valueFrom") or {}).get("secretKeyRef")
+            if env["name"] != REPLICA_SECRET_ENV or not ref:
+                continue
+            try:
+                response = self.core.read_namespaced_secret(ref["name"], NAMESPACE,
+                                                            _preload_content=False)  # fmt: skip
+            except client.ApiException:
+                return False
+            data = json.loads(response.data).get("data") or {}
+            if ref["key"] not in data:
+                return False
+            return base64.b64decode(data[ref["key"]]).decode()
+        return None
+
+    def secrets(self) -> dict[str, dict[str, Any]]:
+        return {_meta(s)["name"]: s for s in self._list(self.core.list_namespaced_secret)}
 
     @staticmethod
     def _running(ip: str, ready: bool) -> dict[str, Any]:

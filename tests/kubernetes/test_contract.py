@@ -32,7 +32,9 @@ def _info(handle: ReplicaHandle) -> dict[str, object] | None:
     if not handle.url:
         return None  # not placed yet
     try:
-        body: dict[str, object] = httpx.get(f"{handle.url}/info", timeout=2).json()
+        body: dict[str, object] = httpx.get(
+            f"{handle.url}/info", headers=handle.auth, timeout=2
+        ).json()
         return body
     except httpx.HTTPError:
         return None

@@ -121,6 +121,13 @@ def test_exactly_one_controller_acts_and_a_new_leader_adopts_the_replicas(
         (deployment,) = cluster.deployments().values()
         assert deployment["spec"]["replicas"] == 2
         assert not any(e["event"] == "starting" for e in b.events)  # b launched nothing
+        # b read the replicas' secret back from their Secret (it made none): every call of
+        # either controller carried it, and the fake replicas refused none.
+        secrets = {r.handle.secret for r in b.replicas.values()}
+        assert len(secrets) == 1 and "" not in secrets
+        assert secrets == {r.handle.secret for r in a.replicas.values()}
+        assert secrets == {f.secret for f in cluster.replicas.values()}
+        assert [f.rejected for f in cluster.replicas.values()] == [[], []]
         await b.stop()
 
     asyncio.run(scenario())

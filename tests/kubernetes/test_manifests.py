@@ -1,8 +1,11 @@
 """Every object the backend renders passes ``kubernetes-validate --strict`` for each
-Kubernetes version EKS supports (standard and extended support: 1.29 to 1.33)."""
+Kubernetes version EKS supports (standard and extended support: 1.29 to 1.33); every
+replica pod runs with least privilege, and deploy/k8s's NetworkPolicies fence it in."""
 
 from __future__ import annotations
 
+import importlib.util
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -14,6 +17,7 @@ import kmock
 import pytest
 import yaml
 
+from ember.engine.spec import REPLICA_SECRET_ENV
 from ember.pools.backends import k8s_manifests as m
 from ember.pools.backends.base import LaunchOptions
 from ember.pools.backends.kubernetes import API_RIGHTS, KubernetesBackend
@@ -34,8 +38,16 @@ KINDS = {
 }
 
 
+K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+KUBECTL = shutil.which("kubectl")
+WRITABLE = {"tmp", "dshm", "home", "data", "weight-cache"}
+"""The replica's writable volumes (the root filesystem is read-only)."""
+
+
 def _rendered() -> list[dict[str, Any]]:
     docs = [m.deployment(kind, POD) for kind in KINDS.values()]
+    owner = {"metadata": {**docs[0]["metadata"], "uid": "0b6f6c1e-4c8a-4d53-9d2e-1f0a7e3c9b21"}}
+    docs.append(m.replica_secret(owner, "not-a-real-secret"))
     lease = LeaseElection(api_client("http://127.0.0.1:1"), NAMESPACE, "ember-pools")
     docs.append(lease.manifest(transitions=3))
     lease.api.api_client.close()
@@ -150,3 +162,92 @@ def test_the_backend_and_the_election_use_only_the_rights_they_declare(
     b.api.api_client.close()
 
     assert used == set(API_RIGHTS)
+
+
+@pytest.mark.parametrize("name", sorted(KINDS))
+def test_every_replica_pod_runs_with_least_privilege(name: str) -> None:
+    """Non-root with fixed ids, read-only root filesystem (every cache a library writes in a
+    writable emptyDir), no capabilities or escalation, RuntimeDefault seccomp, no
+    service-account token; the secret by reference only; probes need no secret."""
+    doc = m.deployment(KINDS[name], POD)
+    spec = doc["spec"]["template"]["spec"]
+    assert spec["automountServiceAccountToken"] is False
+    assert spec["securityContext"] == {
+        "runAsNonRoot": True, "runAsUser": m.ENGINE_UID, "runAsGroup": m.ENGINE_UID,
+        "fsGroup": m.ENGINE_UID, "seccompProfile": {"type": "RuntimeDefault"},
+    }  # fmt: skip
+    assert not spec.get("hostNetwork") and not spec.get("hostPID") and not spec.get("hostIPC")
+    (container,) = spec["containers"]
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }  # fmt: skip
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    host_paths = [v["hostPath"]["path"] for v in volumes.values() if "hostPath" in v]
+    assert host_paths == ([POD.cache_dir] if KINDS[name].placement.accelerator else [])
+    mounts = {mnt["mountPath"]: mnt for mnt in container["volumeMounts"]}
+    writable = [path for path, mnt in mounts.items()
+                if mnt["name"] in WRITABLE and not mnt.get("readOnly")]  # fmt: skip
+    assert all(mnt["name"] in WRITABLE or mnt.get("readOnly") for mnt in mounts.values())
+    env = {e["name"]: e for e in container["env"]}
+    for var in ("HOME", "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "TRITON_CACHE_DIR",
+                "TORCHINDUCTOR_CACHE_DIR", "CUDA_CACHE_PATH", "EMBER_DATA_DIR",
+                "EMBER_CACHE_DIR"):  # fmt: skip
+        path = env[var]["value"]
+        assert any(path == w or path.startswith(w + "/") for w in writable), (var, path)
+    assert env[REPLICA_SECRET_ENV] == {"name": REPLICA_SECRET_ENV, "valueFrom": {"secretKeyRef": {
+        "name": m.secret_name(doc["metadata"]["name"]), "key": m.SECRET_KEY}}}  # fmt: skip
+    assert container["readinessProbe"]["httpGet"]["path"] in ("/healthz", "/readyz")
+    assert "livenessProbe" not in container
+
+
+def _checks() -> Any:
+    spec = importlib.util.spec_from_file_location("check_manifests", K8S / "tests" /
+                                                  "check_manifests.py")  # fmt: skip
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def base() -> list[dict[str, Any]]:
+    if KUBECTL is None:
+        pytest.skip("kubectl (kustomize) not installed")
+    out = subprocess.run([KUBECTL, "kustomize", str(K8S / "base")], capture_output=True,
+                         text=True, timeout=120, check=True).stdout  # fmt: skip
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def test_the_network_policies_select_the_rendered_replica_pods_and_fence_them(
+    base: list[dict[str, Any]],
+) -> None:
+    """deploy/k8s's NetworkPolicies select the pods the backend renders (their labels, not
+    check_manifests' copy of them) for ingress and egress, and pass its rules: in from the
+    API and worker pods on the replica port only, out to DNS and public HTTPS only."""
+    checks = _checks()
+    policies = [d for d in base if d["kind"] == "NetworkPolicy"]
+    for kind in KINDS.values():
+        labels = m.deployment(kind, POD)["spec"]["template"]["metadata"]["labels"]
+        assert all(labels[k] == v for k, v in checks.ENGINE_LABELS.items())
+        chosen = [p for p in policies if checks.selects(p, labels)]
+        types = {t for p in chosen for t in p["spec"]["policyTypes"]}
+        assert types == {"Ingress", "Egress"}, [p["metadata"]["name"] for p in chosen]
+    by_kind = {"NetworkPolicy": {p["metadata"]["name"]: p for p in policies}}
+    assert checks.check_engine_network(by_kind, str(POD.port)) == []
+
+
+def test_a_wider_replica_network_policy_is_reported(base: list[dict[str, Any]]) -> None:
+    checks = _checks()
+    policies = {d["metadata"]["name"]: d for d in yaml.safe_load_all(yaml.safe_dump_all(base))
+                if d and d["kind"] == "NetworkPolicy"}  # fmt: skip
+    egress = policies["ember-engine-egress"]["spec"]["egress"]
+    egress[1]["to"][0]["ipBlock"]["except"].remove("10.0.0.0/8")  # the VPC: Redis, the API
+    egress.append({"ports": [{"port": 6379, "protocol": "TCP"}]})  # anywhere on 6379
+    ingress = policies["ember-engine-ingress"]["spec"]["ingress"][0]
+    ingress["from"].append({"namespaceSelector": {}})  # any pod of any namespace
+    errors = "\n".join(checks.check_engine_network({"NetworkPolicy": policies}, "9000"))
+    assert errors.count("is neither DNS") == 2 and "replica ingress from" in errors
+    del policies["ember-engine-egress"]
+    errors = "\n".join(checks.check_engine_network({"NetworkPolicy": policies}, "9000"))
+    assert "no NetworkPolicy restricts egress of the replica pods" in errors

@@ -7,7 +7,10 @@ tests/infra/test_manifests.py.
 The replicas themselves are not here: the pools controller in the API pods renders their
 Deployments (ember/pools/backends/k8s_manifests.py; tests/kubernetes validates those). What
 is checked here is what the API pods need for it: the backend's settings, the Role that
-grants ember.pools.backends.kubernetes.API_RIGHTS, and the names the settings refer to.
+grants ember.pools.backends.kubernetes.API_RIGHTS, and the names the settings refer to;
+and what fences the replica pods in: the NetworkPolicies that select them (ingress from
+the API and worker pods on the replica port only; egress to DNS and public HTTPS only)
+and their service account (no token).
 """
 
 from __future__ import annotations
@@ -31,6 +34,18 @@ POOLS = {"EMBER_REPLICA_BACKEND", "EMBER_K8S_IMAGE", "EMBER_K8S_NAMESPACE",
          "EMBER_K8S_SERVICE_ACCOUNT", "EMBER_K8S_CONFIG_MAP", "EMBER_K8S_STANDBY_ACCELERATORS",
          "EMBER_STANDBY_REPLICAS"}  # fmt: skip
 """Settings of the pools controller's Kubernetes backend the API pods must be given."""
+ENGINE_LABELS = {"app.kubernetes.io/name": "ember", "app.kubernetes.io/component": "engine",
+                 "app.kubernetes.io/managed-by": "ember-pools"}  # fmt: skip
+"""Labels every replica pod carries (k8s_manifests.version_labels; tests/kubernetes checks
+that the rendered pods do)."""
+CALLERS = {"api", "worker"}
+"""The components whose pods call replicas (the router and controller; the gateway and
+the batch direct lane)."""
+PRIVATE = ["10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "169.254.0.0/16"]
+"""What a replica's HTTPS egress must exclude: the VPC (the Kubernetes API endpoint,
+Redis, PostgreSQL, every pod), carrier-grade NAT and link-local (instance metadata)."""
+DEFAULT_REPLICA_PORT = "9000"
+"""EMBER_K8S_REPLICA_PORT's default (ember/config.py)."""
 
 
 def pod_specs(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -75,6 +90,73 @@ def role_rights(docs: list[dict[str, Any]], account: str) -> set[tuple[str, str,
                 for resource in rule.get("resources", []):
                     rights |= {(group, resource, verb) for verb in rule.get("verbs", [])}
     return rights
+
+
+def selects(policy: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Whether NetworkPolicy ``policy`` selects pods labelled ``labels`` (matchLabels only:
+    the manifests use nothing else; a matchExpressions selector counts as not selecting)."""
+    selector = policy["spec"].get("podSelector") or {}
+    if selector.get("matchExpressions"):
+        return False
+    return all(labels.get(k) == v for k, v in (selector.get("matchLabels") or {}).items())
+
+
+def _component_peer(peer: dict[str, Any]) -> str | None:
+    """The component a ``from``/``to`` peer names, if it is exactly a same-namespace
+    podSelector on it."""
+    if set(peer) != {"podSelector"}:
+        return None
+    selector = peer["podSelector"]
+    labels = selector.get("matchLabels") or {}
+    if selector.get("matchExpressions") or set(labels) != {"app.kubernetes.io/component"}:
+        return None
+    return str(labels["app.kubernetes.io/component"])
+
+
+def _is_dns(rule: dict[str, Any]) -> bool:
+    to = rule.get("to") or []
+    ports = {(p.get("port"), p.get("protocol", "TCP")) for p in rule.get("ports") or []}
+    system = {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}}
+    dns_pods = {"matchLabels": {"k8s-app": "kube-dns"}}
+    kube_dns = {"namespaceSelector": system, "podSelector": dns_pods}
+    return bool(to) and all(p == kube_dns for p in to) and ports <= {(53, "UDP"), (53, "TCP")}
+
+
+def _is_public_https(rule: dict[str, Any]) -> bool:
+    to = rule.get("to") or []
+    ports = [(p.get("port"), p.get("protocol", "TCP")) for p in rule.get("ports") or []]
+    public = all(set(peer) == {"ipBlock"} and set(PRIVATE) <= set(peer["ipBlock"].get("except", []))
+                 for peer in to)  # fmt: skip
+    return bool(to) and ports == [(443, "TCP")] and public
+
+
+def check_engine_network(by_kind: dict[str, dict[str, dict[str, Any]]], port: str) -> list[str]:
+    """Replica pods: reached only by the API and worker pods on the replica port, reaching
+    only DNS and public HTTPS (the object store, STS), with no service-account token."""
+    errors: list[str] = []
+    policies = [p for p in by_kind.get("NetworkPolicy", {}).values() if selects(p, ENGINE_LABELS)]
+    kinds = {t for p in policies for t in p["spec"].get("policyTypes", [])}
+    for kind in ("Ingress", "Egress"):
+        if kind not in kinds:
+            errors.append(f"no NetworkPolicy restricts {kind.lower()} of the replica pods "
+                          f"{ENGINE_LABELS}")  # fmt: skip
+    for policy in policies:
+        name = policy["metadata"]["name"]
+        for rule in policy["spec"].get("ingress") or []:
+            callers = [_component_peer(peer) for peer in rule.get("from") or []]
+            if not callers or not set(callers) <= CALLERS:
+                errors.append(f"NetworkPolicy {name}: replica ingress from {rule.get('from')}; "
+                              f"only pods of {sorted(CALLERS)}")  # fmt: skip
+            ports = [(str(p.get("port")), p.get("protocol", "TCP")) for p in rule.get("ports", [])]
+            if ports != [(port, "TCP")]:
+                errors.append(f"NetworkPolicy {name}: replica ingress on {ports}; only "
+                              f"TCP {port} (EMBER_K8S_REPLICA_PORT)")  # fmt: skip
+        for rule in policy["spec"].get("egress") or []:
+            if not (_is_dns(rule) or _is_public_https(rule)):
+                errors.append(f"NetworkPolicy {name}: replica egress {rule} is neither DNS "
+                              f"(kube-dns, 53) nor HTTPS (443) to public addresses "
+                              f"(except {PRIVATE})")  # fmt: skip
+    return errors
 
 
 def check(docs: list[dict[str, Any]], overlay: bool) -> list[str]:
@@ -199,8 +281,13 @@ def check_pools(
     if namespaces != {env["EMBER_K8S_NAMESPACE"]}:
         errors.append(f"EMBER_K8S_NAMESPACE {env['EMBER_K8S_NAMESPACE']} is not the "
                       f"namespace of the Deployments {namespaces}")  # fmt: skip
-    if env["EMBER_K8S_SERVICE_ACCOUNT"] not in by_kind.get("ServiceAccount", {}):
+    engine_sa = by_kind.get("ServiceAccount", {}).get(env["EMBER_K8S_SERVICE_ACCOUNT"])
+    if engine_sa is None:
         errors.append(f"EMBER_K8S_SERVICE_ACCOUNT {env['EMBER_K8S_SERVICE_ACCOUNT']} missing")
+    elif engine_sa.get("automountServiceAccountToken") is not False:
+        errors.append(f"ServiceAccount {env['EMBER_K8S_SERVICE_ACCOUNT']} (replicas) must not "
+                      "mount a token (automountServiceAccountToken: false)")  # fmt: skip
+    errors += check_engine_network(by_kind, env.get("EMBER_K8S_REPLICA_PORT", DEFAULT_REPLICA_PORT))
     engine_cm = by_kind.get("ConfigMap", {}).get(env["EMBER_K8S_CONFIG_MAP"])
     if engine_cm is None:  # a hash-suffixed name would not match what the backend renders
         errors.append(f"no ConfigMap named exactly {env['EMBER_K8S_CONFIG_MAP']} "

@@ -7,10 +7,19 @@ Deployment per hardware type runs ``ember engine --standby`` (runtime imported, 
 A Deployment's pod template never changes after it is created: its name ends in a digest
 of the whole template, so a changed policy or spec makes a new Deployment for new replicas
 instead of rolling (restarting) the running ones.
+
+Every replica pod runs with least privilege: a fixed unprivileged UID/GID, a read-only root
+filesystem (writable emptyDirs for ``/tmp``, ``$HOME`` and the kernel caches, the data
+directory), no capabilities, no privilege escalation, the RuntimeDefault seccomp profile
+and no service-account token (the EKS IRSA webhook still injects its own AWS web-identity
+token). The replica API's secret (``EMBER_REPLICA_SECRET``) comes from a Secret of its
+Deployment (``replica_secret``, owned by the Deployment) by ``secretKeyRef``: never inline
+in the pod spec.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import math
@@ -18,6 +27,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ember.engine.spec import REPLICA_SECRET_ENV
 from ember.registry.schemas import Placement
 
 MANAGED_BY = "ember-pools"
@@ -33,6 +43,15 @@ CPU = "cpu"
 GPU_TAINT = "nvidia.com/gpu"
 DATA_DIR = "/var/lib/ember"
 SPEC_DIR = "/etc/ember/spec"
+HOME_DIR = "/home/ember"
+"""The engine's ``$HOME`` (an emptyDir: the root filesystem is read-only); the caches that
+torch, Triton, CUDA, Hugging Face and vLLM write by default live under it, per pod."""
+ENGINE_UID = 10001
+"""The UID and GID replica pods run as; the GPU node bootstrap (infra/terraform
+``cache_owner_uid``) chowns the NVMe cache directory to it, since a ``hostPath`` volume
+is not chowned by ``fsGroup``."""
+SECRET_KEY = "secret"  # noqa: S105 - a key name, not a secret
+"""The key of the replica API's secret in its Secret (``replica_secret``)."""
 PRE_STOP_S = 5
 """The pod keeps serving this long after it is marked for deletion, so that every API
 replica's router has dropped it before the engine stops accepting requests."""
@@ -113,13 +132,25 @@ def _args(kind: ReplicaKind, pod: PodSettings) -> list[str]:
 
 def _env(kind: ReplicaKind, pod: PodSettings) -> list[dict[str, Any]]:
     threads = str(threads_of(kind.placement))
+    # A version's replica caches under its tenant's directory (a standby pod moves there on
+    # /assign, which names the tenant): ember.loader.cache.tenant_cache_dir.
+    cache = pod.cache_dir if kind.spec is None else f"{pod.cache_dir}/t{int(kind.tenant_id)}"
     return [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "OMP_NUM_THREADS", "value": threads},
         {"name": "MKL_NUM_THREADS", "value": threads},
-        {"name": "EMBER_CACHE_DIR", "value": pod.cache_dir},
+        {"name": "EMBER_CACHE_DIR", "value": cache},
         {"name": "EMBER_DATA_DIR", "value": DATA_DIR},
         {"name": "EMBER_LOG_FORMAT", "value": "json"},
+        # Read-only root filesystem: every library cache in the pod's own emptyDir, not
+        # a shared (writable, poisonable) place.
+        {"name": "HOME", "value": HOME_DIR},
+        {"name": "USER", "value": "ember"},  # getpass.getuser() without a passwd entry
+        {"name": "XDG_CACHE_HOME", "value": f"{HOME_DIR}/.cache"},
+        {"name": "XDG_CONFIG_HOME", "value": f"{HOME_DIR}/.config"},
+        {"name": "TRITON_CACHE_DIR", "value": f"{HOME_DIR}/.cache/triton"},
+        {"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{HOME_DIR}/.cache/torchinductor"},
+        {"name": "CUDA_CACHE_PATH", "value": f"{HOME_DIR}/.cache/nv"},
     ]
 
 
@@ -130,6 +161,7 @@ def _container(kind: ReplicaKind, pod: PodSettings) -> dict[str, Any]:
         # the container's own scratch space and shared memory, not the node's
         {"name": "tmp", "mountPath": "/tmp"},  # noqa: S108
         {"name": "dshm", "mountPath": "/dev/shm"},  # noqa: S108
+        {"name": "home", "mountPath": HOME_DIR},
     ]
     if kind.spec is not None:
         mounts.append({"name": "spec", "mountPath": SPEC_DIR, "readOnly": True})
@@ -176,6 +208,7 @@ def _volumes(kind: ReplicaKind, pod: PodSettings) -> list[dict[str, Any]]:
         {"name": "data", "emptyDir": {"sizeLimit": "1Gi"}},
         {"name": "tmp", "emptyDir": {"sizeLimit": "4Gi"}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}},
+        {"name": "home", "emptyDir": {"sizeLimit": "4Gi"}},
     ]
     if kind.spec is not None:  # the VersionSpec, from the pod's own annotation
         path = f"metadata.annotations['{SPEC}']"
@@ -198,14 +231,17 @@ def _placement(kind: ReplicaKind) -> dict[str, Any]:
 def pod_spec(kind: ReplicaKind, pod: PodSettings) -> dict[str, Any]:
     return {
         "serviceAccountName": pod.service_account,
+        # A replica never calls Kubernetes: no API token in the pod (IRSA's own projected
+        # web-identity token, audience sts.amazonaws.com, is injected regardless).
+        "automountServiceAccountToken": False,
         "enableServiceLinks": False,  # service env vars would read as EMBER_* settings
         "terminationGracePeriodSeconds": pod.termination_grace_s,
         **_placement(kind),
         "securityContext": {
             "runAsNonRoot": True,
-            "runAsUser": 10001,  # the GPU launch template chowns the cache to this UID
-            "runAsGroup": 10001,
-            "fsGroup": 10001,
+            "runAsUser": ENGINE_UID,  # the GPU launch template chowns the cache to this UID
+            "runAsGroup": ENGINE_UID,
+            "fsGroup": ENGINE_UID,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [_container(kind, pod)],
@@ -256,6 +292,10 @@ def deployment(kind: ReplicaKind, pod: PodSettings) -> dict[str, Any]:
     else:
         name = f"ember-{_slug(kind.deployment, 20)}-{_slug(kind.version, 12)}-{digest}"
     template["metadata"]["labels"] = {**version_labels(kind), GROUP: name}
+    # The Secret's name derives from the Deployment's, so the reference joins the template
+    # after the digest (as the GROUP label does).
+    ref = {"secretKeyRef": {"name": secret_name(name), "key": SECRET_KEY}}
+    template["spec"]["containers"][0]["env"].append({"name": REPLICA_SECRET_ENV, "valueFrom": ref})
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -279,3 +319,46 @@ def assigned_labels(kind: ReplicaKind) -> dict[str, str | None]:
     (its ReplicaSet releases it and starts a replacement standby pod) and names the
     version it now serves."""
     return {**version_labels(kind), GROUP: None}
+
+
+def secret_name(deployment_name: str) -> str:
+    """The Secret holding the replica API's secret of every pod of ``deployment_name``."""
+    return f"{deployment_name}-secret"
+
+
+def secret_ref(pod_spec: dict[str, Any]) -> str | None:
+    """The Secret a pod (spec) reads ``EMBER_REPLICA_SECRET`` from; None for a pod started
+    without one (rendered before replica secrets existed)."""
+    for container in pod_spec.get("containers") or []:
+        for env in container.get("env") or []:
+            ref = (env.get("valueFrom") or {}).get("secretKeyRef") or {}
+            if env.get("name") == REPLICA_SECRET_ENV and ref.get("name"):
+                return str(ref["name"])
+    return None
+
+
+def replica_secret(owner: dict[str, Any], value: str) -> dict[str, Any]:
+    """The Secret of Deployment ``owner`` (the object as the API returned it: its uid is
+    the owner reference, so the Secret is garbage-collected with the Deployment). The pods
+    of one Deployment share one pod template, so they share its secret; a standby pod
+    keeps its standby Deployment's when it is assigned."""
+    meta = owner["metadata"]
+    ref = {"apiVersion": "apps/v1", "kind": "Deployment", "name": meta["name"], "uid": meta["uid"]}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "immutable": True,
+        "metadata": {
+            "name": secret_name(meta["name"]),
+            "namespace": meta.get("namespace"),
+            "labels": {**(meta.get("labels") or {}), GROUP: meta["name"]},
+            "ownerReferences": [ref],
+        },
+        "data": {SECRET_KEY: base64.b64encode(value.encode()).decode()},
+    }
+
+
+def secret_value(secret: dict[str, Any]) -> str:
+    """The replica API's secret held by Secret ``secret`` (as the API returns it)."""
+    return base64.b64decode((secret.get("data") or {})[SECRET_KEY]).decode()

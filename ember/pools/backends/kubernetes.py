@@ -33,6 +33,16 @@ selector (the ReplicaSet releases it) and carries the version's labels; the cont
 standby top-up keeps the standby Deployment's size. An assigned pod is owned by no
 Deployment afterwards: the controller replaces it like any other replica if it vanishes.
 
+The replica API's secret: pods of one Deployment share its pod template, so the secret
+(``ReplicaHandle.secret``, ``secrets.token_urlsafe(32)``) is made per Deployment, when the
+backend creates it, and kept in Secret ``<deployment>-secret`` (owner: the Deployment, so
+it is garbage-collected with it; created before the Deployment is scaled up, so no pod
+starts without it). The pod reads it as ``EMBER_REPLICA_SECRET`` through a
+``secretKeyRef`` — the value is in no pod spec, Deployment, annotation or log line. An
+assigned standby pod keeps its standby Deployment's. A controller that did not make a
+Secret (a follower, or a new leader in ``adopt``) reads it back, named by the pod's own
+``secretKeyRef``; a follower reports a pod ready only once it holds the pod's secret.
+
 API writes go through one writer thread, in order, retried with exponential backoff and
 jitter on connection errors, 409 conflicts, 429 and 5xx; replica-count patches are
 coalesced (the count is read when the patch is sent). Readiness: the acting controller
@@ -44,13 +54,15 @@ the pod's Ready condition, which the kubelet sets from ``/readyz``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import queue
 import random
+import secrets
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -90,6 +102,8 @@ API_RIGHTS: frozenset[tuple[str, str, str]] = frozenset(
         ("", "pods", "watch"),  # endpoints and readiness
         ("", "pods", "patch"),  # replica id, draining mark, deletion cost, standby relabel
         ("", "pods", "delete"),  # stop / kill
+        ("", "secrets", "create"),  # the replica API's secret of a new Deployment
+        ("", "secrets", "get"),  # ... read back by a follower and a new leader
         # ... and the Lease election of ember.pools.leader, on the backend's client.
         ("coordination.k8s.io", "leases", "get"),
         ("coordination.k8s.io", "leases", "create"),
@@ -139,6 +153,8 @@ class _Slot:
     kind: m.ReplicaKind
     launched_at: float
     pod: str | None = None
+    secret: str | None = None
+    """The Secret holding the replica API's secret of the slot's pod."""
     restarts: int = 0
     status: int | None = None
     reason: str | None = None
@@ -169,6 +185,19 @@ def _condition(pod: dict[str, Any], kind: str) -> dict[str, Any] | None:
 def _container(pod: dict[str, Any]) -> dict[str, Any]:
     statuses = (pod.get("status") or {}).get("containerStatuses") or []
     return dict(statuses[0]) if statuses else {}
+
+
+@contextlib.contextmanager
+def _unlogged_body() -> Iterator[None]:
+    """An API error of a call that carried or fetched a replica secret keeps no response
+    body (the retry loop logs bodies; a Secret's must never reach a log line)."""
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        yield
+    except ApiException as exc:
+        exc.body = "(not logged: a Secret call)"
+        raise
 
 
 def pod_ready(pod: dict[str, Any]) -> bool:
@@ -243,6 +272,9 @@ class KubernetesBackend(ReplicaBackend):
         self._seen: dict[str, ReplicaHandle] = {}
         self._desired: dict[str, int] = {}
         self._created: set[str] = set()
+        self._secrets: dict[str, str] = {}
+        """Secret name -> the replica API's secret it holds (never logged)."""
+        self._reading: set[str] = set()
         self._dirty: set[str] = set()
         self._ops: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()
         self._closed = threading.Event()
@@ -262,12 +294,16 @@ class KubernetesBackend(ReplicaBackend):
         manifest = m.deployment(kind, self.pod)
         group = manifest["metadata"]["name"]
         handle = ReplicaHandle(f"r-{uuid.uuid4().hex[:10]}", "", extra={"deployment": group})
+        secret = m.secret_name(group)
         with self._cond:
             if group not in self._created:
                 self._created.add(group)
-                self._enqueue(_Op(f"create Deployment {group}", self._creator(manifest),
-                                  exists_ok=True, context=self._ctx(kind)))  # fmt: skip
-            self._slots[handle.replica_id] = _Slot(handle, group, kind, time.monotonic())
+                self._secrets.setdefault(secret, secrets.token_urlsafe(32))
+                self._enqueue(_Op(f"create Deployment {group} and its Secret",
+                                  self._creator(manifest), context=self._ctx(kind)))  # fmt: skip
+            handle.secret = self._secrets.get(secret, "")
+            slot = _Slot(handle, group, kind, time.monotonic(), secret=secret)
+            self._slots[handle.replica_id] = slot
             self._scale(group, +1)
             for pod in list(self._pods.values()):
                 self._bind(pod)  # a pod of this Deployment may be waiting (adopted surplus)
@@ -288,6 +324,13 @@ class KubernetesBackend(ReplicaBackend):
             and have.cpu_cores >= want.cpu_cores
             and have.memory_gib >= want.memory_gib
         )
+
+    def assign_query(
+        self, handle: ReplicaHandle, spec: dict[str, Any], options: LaunchOptions
+    ) -> dict[str, Any]:
+        """The tenant, so that the standby pod caches under its tenant's directory (no
+        uid: the pod runs as ``m.ENGINE_UID`` from the start)."""
+        return {"tenant_id": options.tenant_id}
 
     def assigned(self, handle: ReplicaHandle, spec: dict[str, Any], options: LaunchOptions) -> None:
         with self._cond:
@@ -341,6 +384,7 @@ class KubernetesBackend(ReplicaBackend):
                 if _gone(pod) or _meta(pod).get("annotations", {}).get(m.DRAINING):
                     continue
                 ann = _meta(pod).get("annotations") or {}
+                ref = m.secret_ref(pod.get("spec") or {})
                 out.append(
                     ObservedReplica(
                         self._handle_of(name, pod),
@@ -348,7 +392,8 @@ class KubernetesBackend(ReplicaBackend):
                         ann.get("ember.dev/deployment", ""),
                         ann.get("ember.dev/model", ""),
                         ann.get("ember.dev/version", ""),
-                        pod_ready(pod),
+                        # not callable before its secret is read back (the watch asked)
+                        pod_ready(pod) and (ref is None or ref in self._secrets),
                     )
                 )
             return out
@@ -358,6 +403,15 @@ class KubernetesBackend(ReplicaBackend):
         and every Deployment is scaled to the pods adopted in it — pods a dead leader asked
         for but never saw are not waited for; the controller launches what is missing."""
         self.synced.wait(30)
+        existing = self._call(lambda: self.apps.list_namespaced_deployment(
+            self.namespace, label_selector=m.SELECTOR, _preload_content=False))  # fmt: skip
+        items = [
+            item
+            for item in (json.loads(existing.data).get("items", []) if existing else [])
+            # the API filters by label; a stand-in may not
+            if (_meta(item).get("labels") or {}).get("app.kubernetes.io/managed-by") == m.MANAGED_BY
+        ]
+        self._read_secrets(items)
         with self._cond:
             observed = self.observe()
             for replica in observed:
@@ -366,21 +420,104 @@ class KubernetesBackend(ReplicaBackend):
             for slot in self._slots.values():
                 if slot.group is not None:
                     counts[slot.group] = counts.get(slot.group, 0) + 1
-        existing = self._call(lambda: self.apps.list_namespaced_deployment(
-            self.namespace, label_selector=m.SELECTOR, _preload_content=False))  # fmt: skip
-        with self._cond:
-            for item in json.loads(existing.data).get("items", []) if existing else []:
+            for item in items:
                 name = _meta(item).get("name", "")
-                if (_meta(item).get("labels") or {}).get("app.kubernetes.io/managed-by") != (
-                    m.MANAGED_BY
-                ):
-                    continue  # the API filters by label; a stand-in may not
                 self._created.add(name)
                 self._desired[name] = counts.get(name, 0)
                 if (item.get("spec") or {}).get("replicas", 0) != self._desired[name]:
                     self._dirty.add(name)
                     self._enqueue(self._sync_op(name))
         return observed
+
+    # --- the replica API's secrets ---------------------------------------------------------
+
+    def _read_secrets(self, deployments: list[dict[str, Any]]) -> None:
+        """Read back the secret of every pod and Deployment that exists (a new leader calls
+        them and launches into them); a Deployment whose Secret is missing (its creator
+        stopped in between: no pod of it can have started) gets a new one."""
+        with self._cond:
+            wanted: dict[str, dict[str, Any] | None] = {}
+            for pod in self._pods.values():
+                ref = m.secret_ref(pod.get("spec") or {})
+                if ref is not None:
+                    wanted[ref] = None
+        for item in deployments:
+            ref = m.secret_ref(((item.get("spec") or {}).get("template") or {}).get("spec") or {})
+            if ref is not None:
+                wanted[ref] = item
+        for ref, owner in sorted(wanted.items()):
+            if ref not in self._secrets:
+                op = _Op(f"read Secret {ref}", functools.partial(self._recover, ref, owner))
+                self._call(op.call, op)
+
+    def _recover(self, name: str, owner: dict[str, Any] | None) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            self._fetch_secret(name)
+        except ApiException as exc:
+            if exc.status != 404 or owner is None:
+                raise
+            self._ensure_secret(owner)
+
+    def _fetch_secret(self, name: str) -> None:
+        with _unlogged_body():  # not preloaded: the client logs a preloaded body (DEBUG)
+            response = self.core.read_namespaced_secret(
+                name, self.namespace, _preload_content=False
+            )
+        try:
+            value = m.secret_value(json.loads(response.data))
+        except (KeyError, ValueError, TypeError):
+            log.error("replica Secret holds no secret; its pods cannot be called", secret=name,
+                      key=m.SECRET_KEY)  # fmt: skip
+            return
+        with self._cond:
+            self._learn(name, value)
+
+    def _ensure_secret(self, owner: dict[str, Any]) -> None:
+        """Create the Secret of Deployment ``owner``; if it exists already (made by a
+        previous leader, or by this call before a lost response), adopt its value."""
+        from kubernetes.client.exceptions import ApiException
+
+        name = m.secret_name(_meta(owner)["name"])
+        with self._cond:
+            value = self._secrets.setdefault(name, secrets.token_urlsafe(32))
+        try:
+            with _unlogged_body():  # not preloaded: the client logs a preloaded body (DEBUG)
+                response = self.core.create_namespaced_secret(
+                    self.namespace, m.replica_secret(owner, value), _preload_content=False
+                )
+                response.read()  # and the connection goes back to the pool
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            self._fetch_secret(name)
+
+    def _learn(self, name: str, value: str) -> None:
+        """Secret ``name`` holds ``value``: every handle of a pod that reads it gets it."""
+        self._secrets[name] = value
+        for slot in self._slots.values():
+            if slot.secret == name:
+                slot.handle.secret = value
+        for pod_name, handle in self._seen.items():
+            if m.secret_ref((self._pods.get(pod_name) or {}).get("spec") or {}) == name:
+                handle.secret = value
+
+    def _want_secret(self, pod: dict[str, Any]) -> None:
+        """A pod whose secret this controller does not hold: the writer reads it back."""
+        ref = m.secret_ref(pod.get("spec") or {})
+        if ref is None or ref in self._secrets or ref in self._reading:
+            return
+        self._reading.add(ref)
+
+        def read() -> None:
+            try:
+                self._fetch_secret(ref)
+            finally:
+                with self._cond:
+                    self._reading.discard(ref)  # after an error: asked again by a later event
+
+        self._enqueue(_Op(f"read Secret {ref}", read))
 
     def register_metrics(self, registry: CollectorRegistry) -> None:
         registry.register(self.unplaced)
@@ -502,6 +639,7 @@ class KubernetesBackend(ReplicaBackend):
         kind = self._kind(spec, options, placement)
         slot = _Slot(handle, labels.get(m.GROUP), kind, time.monotonic())
         slot.pod, slot.restarts = name, int(_container(pod).get("restartCount", 0))
+        slot.secret = m.secret_ref(pod.get("spec") or {})
         self._slots[handle.replica_id] = slot
         if ann.get(m.REPLICA_ID) != handle.replica_id:
             body = {"metadata": {"annotations": {m.REPLICA_ID: handle.replica_id}}}
@@ -518,6 +656,9 @@ class KubernetesBackend(ReplicaBackend):
         if handle is None or handle.replica_id != replica_id:
             handle = self._seen[name] = ReplicaHandle(replica_id, "", extra={"pod": name})
         handle.url = self._url(pod)
+        ref = m.secret_ref(pod.get("spec") or {})
+        if ref is not None and ref in self._secrets:
+            handle.secret = self._secrets[ref]
         return handle
 
     def _url(self, pod: dict[str, Any]) -> str:
@@ -648,6 +789,8 @@ class KubernetesBackend(ReplicaBackend):
             else:
                 self._pods[name] = pod
                 self._bind(pod)
+                if not _gone(pod):
+                    self._want_secret(pod)
             for slot in self._slots.values():
                 if slot.pod == name:
                     slot.handle.url = self._url(pod) if kind != "DELETED" else ""
@@ -659,7 +802,34 @@ class KubernetesBackend(ReplicaBackend):
         self._ops.put(op)
 
     def _creator(self, manifest: dict[str, Any]) -> Callable[[], object]:
-        return lambda: self.apps.create_namespaced_deployment(self.namespace, manifest)
+        """Create the Deployment (0 replicas), then its Secret (owned by it); the scale-up
+        is queued after this, so no pod starts before its secret exists."""
+        from kubernetes.client.exceptions import ApiException
+
+        name = manifest["metadata"]["name"]
+
+        def create() -> None:
+            try:
+                response = self.apps.create_namespaced_deployment(
+                    self.namespace, manifest, _preload_content=False
+                )
+                owner = json.loads(response.data)
+            except ApiException as exc:
+                if exc.status != 409:
+                    raise
+                owner = self._deployment(name)  # a previous leader's, or ours before a retry
+            self._ensure_secret(owner)
+
+        return create
+
+    def _deployment(self, name: str) -> dict[str, Any]:
+        response = self.apps.list_namespaced_deployment(
+            self.namespace, field_selector=f"metadata.name={name}", _preload_content=False
+        )
+        for item in json.loads(response.data).get("items", []):
+            if _meta(item).get("name") == name:  # the API filters by name; a stand-in may not
+                return dict(item)
+        raise LookupError(f"Deployment {name} exists and is not listed")  # retried
 
     def _pod_patcher(self, pod: str, body: dict[str, Any]) -> Callable[[], object]:
         return lambda: self.core.patch_namespaced_pod(pod, self.namespace, body)
