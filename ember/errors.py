@@ -5,6 +5,7 @@
     │   └── MalformedRequest        400  malformed-request
     ├── Unauthenticated             401  unauthenticated
     ├── Forbidden                   403  forbidden
+    │   └── QuotaExceeded           403  quota-exceeded       (carries the quota's name)
     ├── NotFound                    404  not-found
     ├── Conflict                    409  conflict
     ├── PayloadTooLarge             413  payload-too-large
@@ -17,6 +18,7 @@
     │   └── CacheCorrupt            500  cache-corrupt
     ├── CapacityError               503  capacity
     │   └── BackPressure            429  back-pressure        (carries retry_after_s)
+    │       └── RateLimited         429  rate-limited         (a key over its request rate)
     ├── EngineError                 502  engine-error
     │   └── NotReady                503  not-ready            (loading, or not hot)
     └── DeadlineExceeded            504  deadline-exceeded    (dropped before compute)
@@ -63,6 +65,18 @@ class Forbidden(EmberError):
     status = 403
     code = "forbidden"
     title = "Forbidden"
+
+
+class QuotaExceeded(Forbidden):
+    """A tenant would hold more than its quota (replicas, GPUs, cores, memory, stored job
+    bytes): retrying does not help until it holds less or an admin raises the quota."""
+
+    code = "quota-exceeded"
+    title = "Quota exceeded"
+
+    def __init__(self, detail: str, *, quota: str, **extra: Any) -> None:
+        super().__init__(detail, quota=quota, **extra)
+        self.quota = quota
 
 
 class NotFound(EmberError):
@@ -136,6 +150,13 @@ class BackPressure(CapacityError):
     def __init__(self, detail: str, *, retry_after_s: float = 1.0, **extra: Any) -> None:
         super().__init__(detail, retry_after_s=retry_after_s, **extra)
         self.retry_after_s = retry_after_s
+
+
+class RateLimited(BackPressure):
+    """A key sent control-plane requests faster than its tenant's rate (``Retry-After``)."""
+
+    code = "rate-limited"
+    title = "Rate limit exceeded"
 
 
 class EngineError(EmberError):

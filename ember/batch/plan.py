@@ -22,6 +22,7 @@ from ember.config import Settings
 from ember.errors import EmberError, InvalidInput, LoaderError
 from ember.jobs.submit import resolve
 from ember.logs import bound, get_logger
+from ember.registry import quotas
 from ember.registry.tables import BatchRun, BatchSchedule, BatchShard
 
 log = get_logger(__name__)
@@ -73,6 +74,11 @@ def create_run(
     shards: list[BatchShard] = []
     try:
         with Session(engine) as session:
+            # Over the tenant's quota of runs in flight: 429, or a scheduled run recorded
+            # as failed with the quota's refusal (beat goes on).
+            quotas.check_batch_runs(
+                session, quotas.limits_for(session, settings, tenant_id), tenant_id
+            )
             _, deployment, pinned, row = resolve(session, tenant_id, spec.model)
         run.deployment = deployment.name
         run.version = pinned or row.version

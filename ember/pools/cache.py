@@ -48,6 +48,16 @@ def cache_key(tenant_id: int, model: str, version: str, sha256: str, input_diges
     return f"{tenant_id}:{model}:{version}:{sha256}:{input_digest}"
 
 
+def fast_redis(url: str, timeout_s: float) -> Any:
+    """An asyncio Redis client for the request path: every call gives up after
+    ``timeout_s`` (the caller degrades instead of waiting) and no health-check round trip."""
+    import redis.asyncio as aioredis
+
+    return aioredis.Redis.from_url(
+        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, health_check_interval=0
+    )
+
+
 @dataclass(frozen=True)
 class Entry:
     content: bytes
@@ -97,16 +107,7 @@ class ResponseCache:
         max_bytes: int = 1024 * 1024,
         rng: random.Random | None = None,
     ) -> None:
-        self.redis: Any = None
-        if redis_url:
-            import redis.asyncio as aioredis
-
-            self.redis = aioredis.Redis.from_url(
-                redis_url,
-                socket_timeout=REDIS_TIMEOUT_S,
-                socket_connect_timeout=REDIS_TIMEOUT_S,
-                health_check_interval=0,
-            )
+        self.redis: Any = fast_redis(redis_url, REDIS_TIMEOUT_S) if redis_url else None
         self.front: OrderedDict[str, Entry] = OrderedDict()
         self.front_entries = front_entries
         self.max_bytes = max_bytes

@@ -14,8 +14,9 @@ from sqlmodel import Session, col, select
 
 from ember.errors import Conflict, InvalidInput, NotFound
 from ember.logs import get_logger
-from ember.registry import catalog
+from ember.registry import catalog, quotas
 from ember.registry.pagination import paginate
+from ember.registry.quotas import Limits
 from ember.registry.schemas import (
     POLICY_FIELDS,
     CanaryRequest,
@@ -33,7 +34,11 @@ NULLABLE = {"safe_default"}
 """Policy fields where null is a value (no default rung), not a missing one."""
 
 
-def create(session: Session, tenant_id: int, body: DeploymentCreate) -> Deployment:
+def create(
+    session: Session, tenant_id: int, body: DeploymentCreate, limits: Limits | None = None
+) -> Deployment:
+    """``limits``: the tenant's quotas, checked against the deployment's worst case before
+    it is stored (None: an operator's own seeding, unchecked)."""
     name = body.name or body.model
     if _find(session, tenant_id, name) is not None:
         raise Conflict(f"deployment {name!r} already exists")
@@ -51,6 +56,8 @@ def create(session: Session, tenant_id: int, body: DeploymentCreate) -> Deployme
         fallback=list(body.fallback),
         revision=0,
     )
+    if limits is not None:
+        quotas.check_deployment(session, limits, deployment, None)
     session.add(deployment)
     try:
         session.flush()
@@ -79,7 +86,10 @@ def list_page(
     return paginate(session, query, col(Deployment.id), limit, cursor)
 
 
-def update(session: Session, deployment: Deployment, body: DeploymentUpdate) -> Deployment:
+def update(
+    session: Session, deployment: Deployment, body: DeploymentUpdate, limits: Limits | None = None
+) -> Deployment:
+    before = quotas.footprint(deployment)
     changes = body.model_dump(exclude_unset=True)
     if "fallback" in changes:
         fallback = changes.pop("fallback") or []
@@ -96,6 +106,8 @@ def update(session: Session, deployment: Deployment, body: DeploymentUpdate) -> 
             deployment.policy = PoolPolicy.model_validate(merged).model_dump()
         except ValueError as exc:
             raise InvalidInput(_first_error(exc)) from exc
+    if limits is not None:
+        quotas.check_deployment(session, limits, deployment, before)
     deployment.updated_at = datetime.now(UTC)
     session.add(deployment)
     log.info("deployment updated", deployment=deployment.name, changes=sorted(changes))
@@ -110,13 +122,18 @@ def _first_error(exc: ValueError) -> str:
     return str(exc)
 
 
-def canary(session: Session, deployment: Deployment, body: CanaryRequest) -> Deployment:
+def canary(
+    session: Session, deployment: Deployment, body: CanaryRequest, limits: Limits | None = None
+) -> Deployment:
+    before = quotas.footprint(deployment)
     production = deployment.aliases[PRODUCTION]
     if body.version == production:
         raise Conflict(f"version {body.version!r} is already production")
     _ready(session, _model(session, deployment), body.version)
     deployment.traffic = {production: 100 - body.weight, body.version: body.weight}
     deployment.aliases = {PRODUCTION: production, CANARY: body.version}
+    if limits is not None:
+        quotas.check_deployment(session, limits, deployment, before)
     return _record(session, deployment, f"canary {body.version} at {body.weight}%")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, select
@@ -17,20 +18,42 @@ DEFAULT_TENANT = "default"
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """Who is calling: the key's own tenant, the tenant it acts for, and its scope."""
+    """Who is calling: the key, the tenant it acts for, and its scope.
+
+    Three scopes. ``tenant``: its own tenant's objects only. ``admin``: everything, for
+    any tenant (``X-Ember-Tenant``). ``worker`` (the job and batch workers): the data
+    plane for any tenant (``X-Ember-Tenant``), nothing on the control plane."""
 
     key_id: int
     tenant_id: int
     tenant: str
     scope: KeyScope
+    requests_per_s: float | None = None
+    """The tenant's control-plane rate override (None: ``EMBER_QUOTA_REQUESTS_PER_S``)."""
 
     @property
     def is_admin(self) -> bool:
         return self.scope is KeyScope.admin
 
+    @property
+    def is_worker(self) -> bool:
+        return self.scope is KeyScope.worker
+
     def require_admin(self) -> None:
         if not self.is_admin:
             raise Forbidden("this action needs an admin key")
+
+    def require_worker_or_admin(self) -> None:
+        if self.scope not in (KeyScope.admin, KeyScope.worker):
+            raise Forbidden("this action needs an admin or worker key")
+
+    def require_control_plane(self) -> None:
+        """Worker keys act on the data plane only."""
+        if self.is_worker:
+            raise Forbidden(
+                "worker keys act on the data plane only (predict, :batch-lane); "
+                "this route is the control plane"
+            )
 
 
 def get_tenant(session: Session, name: str) -> Tenant:
@@ -77,15 +100,33 @@ def authenticate(session: Session, key: str, act_as: str | None = None) -> Princ
     if tenant is None:
         raise Unauthenticated("the API key's tenant no longer exists")
     if act_as and act_as != tenant.name:
-        if row.scope is not KeyScope.admin:
-            raise Forbidden("only admin keys may act for another tenant")
+        if row.scope not in (KeyScope.admin, KeyScope.worker):
+            raise Forbidden("only admin and worker keys may act for another tenant")
         tenant = get_tenant(session, act_as)
-    return Principal(row.id or 0, tenant.id or 0, tenant.name, row.scope)
+    rate = (tenant.quotas or {}).get("requests_per_s")
+    return Principal(
+        row.id or 0, tenant.id or 0, tenant.name, row.scope, float(rate) if rate else None
+    )
+
+
+def visible_keys(principal: Principal) -> Any:
+    """The keys ``principal`` may list and revoke: an admin, every key of the tenant it
+    acts for; a tenant key, its own tenant's tenant-scope keys (admin and worker keys are
+    invisible to it, whatever their tenant)."""
+    query = select(ApiKey).where(ApiKey.tenant_id == principal.tenant_id)
+    if not principal.is_admin:
+        query = query.where(ApiKey.scope == KeyScope.tenant)
+    return query
 
 
 def revoke_key(session: Session, principal: Principal, key_id: int) -> ApiKey:
+    """Admins revoke any key; a tenant key only its own tenant's tenant-scope keys (any
+    other is answered as absent)."""
     row = session.get(ApiKey, key_id)
-    if row is None or (not principal.is_admin and row.tenant_id != principal.tenant_id):
+    if row is None or (
+        not principal.is_admin
+        and (row.tenant_id != principal.tenant_id or row.scope is not KeyScope.tenant)
+    ):
         raise NotFound(f"API key {key_id} does not exist")
     if row.revoked_at is None:
         row.revoked_at = datetime.now(UTC)

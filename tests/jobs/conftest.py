@@ -246,7 +246,11 @@ def live_platform(
                 base_url=url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60
             )
             live = Live(url, client, data_dir / "objects")
-            env = worker_env(settings, url) | (env_extra or {})
+            # the workers hold a worker key, as `ember up`'s do (the data plane only)
+            minted = client.post("/v1/keys", json={"name": "workers", "scope": "worker"})
+            assert minted.status_code == 201, minted.text
+            env = worker_env(settings, url) | {"EMBER_JOBS_API_KEY": minted.json()["key"]}
+            env |= env_extra or {}
             platform = kind(app, live, settings, redis, env, tmp)
             starting = [threading.Thread(target=platform.start_worker) for _ in range(2)]
             for thread in starting:  # workers start while the replica loads

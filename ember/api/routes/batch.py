@@ -11,6 +11,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from ember.api.deps import Cursor, Limit, PrincipalDep, SessionDep, SettingsDep
+from ember.api.problems import problem_responses
 from ember.api.routes.jobs import _publisher
 from ember.batch import plan
 from ember.batch.schemas import (
@@ -44,18 +45,14 @@ def check_spec(session: Session, settings: Settings, principal: Principal, spec:
     """The model resolves, and the URIs are the tenant's (admins: anywhere the object
     store allows)."""
     resolve(session, principal.tenant_id, spec.model)
-    if not principal.is_admin:
-        prefix = batch_prefix(settings, principal.tenant)
-        for name, uri in (("input_uri", spec.input_uri), ("output_uri", spec.output_uri)):
-            if not uri.startswith(prefix) or "%" in uri:
-                raise InvalidInput(
-                    f"{name} must lie under {prefix} (only admin keys may use other locations)",
-                    allowed_prefix=prefix,
-                )
     from ember.batch import datasets
 
-    datasets.check_readable(settings, plan.render(spec.output_uri, "2000-01-01"))
-    datasets.check_readable(settings, plan.render(spec.input_uri, "2000-01-01"))
+    datasets.check_spec_uris(
+        settings,
+        None if principal.is_admin else principal.tenant,
+        plan.render(spec.input_uri, "2000-01-01"),
+        plan.render(spec.output_uri, "2000-01-01"),
+    )
 
 
 def schedule_public(row: BatchSchedule) -> SchedulePublic:
@@ -172,7 +169,12 @@ def delete_schedule(name: ScheduleName, principal: PrincipalDep, session: Sessio
     session.commit()
 
 
-@router.post("/v1/batch/runs", status_code=status.HTTP_202_ACCEPTED, summary="Start a run")
+@router.post(
+    "/v1/batch/runs",
+    status_code=status.HTTP_202_ACCEPTED,
+    summary="Start a run",
+    responses=problem_responses((429, "Over the tenant's quota of batch runs in flight")),
+)
 def start_run(
     body: RunCreate,
     request: Request,

@@ -6,8 +6,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Request, Response, status
 
-from ember.api.deps import Cursor, Limit, PrincipalDep, SessionDep
-from ember.registry import deployments
+from ember.api.deps import Cursor, Limit, PrincipalDep, SessionDep, SettingsDep
+from ember.api.problems import problem_responses
+from ember.registry import deployments, quotas
 from ember.registry.schemas import (
     NAME_PATTERN,
     CanaryRequest,
@@ -32,12 +33,26 @@ def _controller_sees(request: Request) -> None:
         gateway.controller.refresh()
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, summary="Create a deployment")
+OVER_QUOTA = problem_responses((403, "Over the tenant's replicas, GPUs, CPU or memory quota"))
+
+
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    summary="Create a deployment",
+    responses=OVER_QUOTA,
+)
 def create(
-    request: Request, body: DeploymentCreate, principal: PrincipalDep, session: SessionDep
+    request: Request,
+    body: DeploymentCreate,
+    principal: PrincipalDep,
+    session: SessionDep,
+    settings: SettingsDep,
 ) -> DeploymentPublic:
-    """Serves `version` (which must be `ready`) as `production` at 100 % of traffic."""
-    deployment = deployments.create(session, principal.tenant_id, body)
+    """Serves `version` (which must be `ready`) as `production` at 100 % of traffic. Its
+    worst case (`max_replicas` x `placement`) must fit the tenant's quotas (403)."""
+    limits = quotas.limits_for(session, settings, principal.tenant_id)
+    deployment = deployments.create(session, principal.tenant_id, body, limits)
     session.commit()
     _controller_sees(request)
     return deployments.public(session, deployment)
@@ -56,16 +71,18 @@ def get(name: DeploymentName, principal: PrincipalDep, session: SessionDep) -> D
     return deployments.public(session, deployments.get(session, principal.tenant_id, name))
 
 
-@router.patch("/{name}", summary="Change pool policy or fallback chain")
+@router.patch("/{name}", summary="Change pool policy or fallback chain", responses=OVER_QUOTA)
 def update(
     request: Request,
     name: DeploymentName,
     body: DeploymentUpdate,
     principal: PrincipalDep,
     session: SessionDep,
+    settings: SettingsDep,
 ) -> DeploymentPublic:
     deployment = deployments.get(session, principal.tenant_id, name)
-    deployments.update(session, deployment, body)
+    limits = quotas.limits_for(session, settings, principal.tenant_id)
+    deployments.update(session, deployment, body, limits)
     session.commit()
     _controller_sees(request)
     return deployments.public(session, deployment)
@@ -81,16 +98,20 @@ def delete(
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
-@router.post("/{name}:canary", summary="Send a share of traffic to a new version")
+@router.post(
+    "/{name}:canary", summary="Send a share of traffic to a new version", responses=OVER_QUOTA
+)
 def canary(
     request: Request,
     name: DeploymentName,
     body: CanaryRequest,
     principal: PrincipalDep,
     session: SessionDep,
+    settings: SettingsDep,
 ) -> DeploymentPublic:
     deployment = deployments.get(session, principal.tenant_id, name)
-    deployments.canary(session, deployment, body)
+    limits = quotas.limits_for(session, settings, principal.tenant_id)
+    deployments.canary(session, deployment, body, limits)
     session.commit()
     _controller_sees(request)
     return deployments.public(session, deployment)

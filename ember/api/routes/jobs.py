@@ -43,7 +43,10 @@ def _publisher(request: Request) -> Publisher:
     "/v1/jobs",
     status_code=status.HTTP_202_ACCEPTED,
     summary="Submit a job",
-    responses=problem_responses((429, "Over the tenant's quota of unfinished jobs")),
+    responses=problem_responses(
+        (403, "Over the tenant's quota of stored job bytes"),
+        (429, "Over the tenant's quota of unfinished jobs"),
+    ),
 )
 def submit_job(
     body: JobCreate,

@@ -27,13 +27,16 @@ TenantName = Annotated[str, Path(pattern=NAME_PATTERN, description="Tenant name.
 
 
 @router.post("/tenants", status_code=status.HTTP_201_CREATED, summary="Create a tenant (admin)")
-def create_tenant(body: TenantCreate, principal: PrincipalDep, session: SessionDep) -> TenantPublic:
+def create_tenant(
+    request: Request, body: TenantCreate, principal: PrincipalDep, session: SessionDep
+) -> TenantPublic:
     principal.require_admin()
     tenant = tenants.create_tenant(session, body.name)
     tenant.trusted = body.trusted
     tenant.quotas = body.quotas.model_dump(exclude_none=True) or None
     session.add(tenant)
     session.commit()
+    request.app.state.principals.forget_refusals()  # "no such tenant" to act for, cached
     return TenantPublic.model_validate(tenant)
 
 
@@ -45,8 +48,14 @@ def get_tenant(name: TenantName, principal: PrincipalDep, session: SessionDep) -
 
 @router.patch("/tenants/{name}", summary="Mark a tenant trusted, or set its quotas (admin)")
 def update_tenant(
-    name: TenantName, body: TenantUpdate, principal: PrincipalDep, session: SessionDep
+    request: Request,
+    name: TenantName,
+    body: TenantUpdate,
+    principal: PrincipalDep,
+    session: SessionDep,
 ) -> TenantPublic:
+    """Quotas take effect at once for deployments, jobs and batch runs; a changed request
+    rate within the key cache's life (5 s) in each API process."""
     principal.require_admin()
     tenant = tenants.get_tenant(session, name)
     if body.trusted is not None:
@@ -55,6 +64,7 @@ def update_tenant(
         tenant.quotas = body.quotas.model_dump(exclude_none=True) or None
     session.add(tenant)
     session.commit()
+    request.app.state.principals.forget_tenant(tenant.id or 0)  # its rate, at once here
     return TenantPublic.model_validate(tenant)
 
 
@@ -74,8 +84,8 @@ def _key_public(key: ApiKey, tenant: str) -> ApiKeyPublic:
 @router.post("/keys", status_code=status.HTTP_201_CREATED, summary="Create an API key")
 def create_key(body: ApiKeyCreate, principal: PrincipalDep, session: SessionDep) -> ApiKeyCreated:
     """Tenant keys may create tenant keys for their own tenant; admin keys for any tenant,
-    and admin keys. The secret is returned once."""
-    if body.scope is KeyScope.admin or (body.tenant and body.tenant != principal.tenant):
+    and admin and worker keys. The secret is returned once."""
+    if body.scope is not KeyScope.tenant or (body.tenant and body.tenant != principal.tenant):
         principal.require_admin()
     tenant = tenants.get_tenant(session, body.tenant or principal.tenant)
     row, secret = tenants.create_key(session, tenant, body.name, body.scope)
@@ -87,13 +97,20 @@ def create_key(body: ApiKeyCreate, principal: PrincipalDep, session: SessionDep)
 def list_keys(
     principal: PrincipalDep, session: SessionDep, limit: Limit = 50, cursor: Cursor = None
 ) -> Page[ApiKeyPublic]:
-    query = select(ApiKey).where(ApiKey.tenant_id == principal.tenant_id)
+    """An admin key lists every key of the tenant it acts for; a tenant key only its
+    tenant's tenant-scope keys (admin and worker keys are not shown to it)."""
+    query = tenants.visible_keys(principal)
     rows, next_cursor = paginate(session, query, col(ApiKey.id), limit, cursor)
     items = [_key_public(k, principal.tenant) for k in rows]
     return Page(items=items, next_cursor=next_cursor)
 
 
-@router.delete("/keys/{key_id}", summary="Revoke an API key")
+@router.delete(
+    "/keys/{key_id}",
+    summary="Revoke an API key",
+    description="Admins revoke any key; a tenant key only its own tenant's tenant-scope "
+    "keys (404 for any other, as if absent).",
+)
 def revoke_key(
     request: Request,
     key_id: Annotated[int, Path(ge=1, le=2**62)],
