@@ -5,10 +5,8 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,12 +39,6 @@ def ember_up(env: dict[str, str]) -> Iterator[tuple[str, list[str]]]:
         output.append(out)
 
 
-def shutdown_redis(port: int) -> None:
-    with socket.create_connection(("127.0.0.1", port), timeout=2) as sock:
-        sock.sendall(b"SHUTDOWN NOSAVE\r\n")
-        time.sleep(0.2)
-
-
 def test_up_prints_a_key_starts_redis_and_keeps_data(tmp_path: Path) -> None:
     redis_port = free_port()
     env = {
@@ -55,41 +47,43 @@ def test_up_prints_a_key_starts_redis_and_keeps_data(tmp_path: Path) -> None:
         "EMBER_PORT": str(free_port()),
         "EMBER_LOCAL_REDIS_PORT": str(redis_port),
     }
-    try:
-        with ember_up(env) as (url, output):
-            pass
-        first = output[0]
-        assert f"Ember {url}" in first
-        assert "example:  minilm:1 pushed" in first
-        key = re.search(r"export EMBER_API_KEY=(\S+)", first)
-        assert key, first
-        headers = {"Authorization": f"Bearer {key.group(1)}"}
-        with ember_up(env) as (url, output):
-            assert (
-                httpx.post(f"{url}/v1/models", json={"name": "kept"}, headers=headers).status_code
-                == 201
+    with ember_up(env) as (url, output):
+        pass
+    first = output[0]
+    assert f"Ember {url}" in first
+    assert f"redis:    127.0.0.1:{redis_port}/0" in first  # the URL without its password
+    assert "example:  minilm:1 pushed" in first
+    key = re.search(r"export EMBER_API_KEY=(\S+)", first)
+    assert key, first
+    headers = {"Authorization": f"Bearer {key.group(1)}"}
+    with ember_up(env) as (url, output):
+        assert (
+            httpx.post(f"{url}/v1/models", json={"name": "kept"}, headers=headers).status_code
+            == 201
+        )
+    assert "export EMBER_API_KEY" not in output[0]  # shown once
+    with ember_up(env) as (url, _):
+
+        def answers() -> bool:
+            body = {"instances": ["a sentence to embed"]}
+            r = httpx.post(
+                f"{url}/v1/models/minilm:predict", json=body, headers=headers, timeout=30
             )
-        assert "export EMBER_API_KEY" not in output[0]  # shown once
-        with ember_up(env) as (url, _):
+            return r.status_code == 200 and len(r.json()["predictions"][0]) == 384
 
-            def answers() -> bool:
-                body = {"instances": ["a sentence to embed"]}
-                r = httpx.post(
-                    f"{url}/v1/models/minilm:predict", json=body, headers=headers, timeout=30
-                )
-                return r.status_code == 200 and len(r.json()["predictions"][0]) == 384
-
-            wait_until(answers, 240, "minilm predictions after ember up")
-            listed = httpx.get(f"{url}/v1/models", headers=headers).json()
-            assert [m["name"] for m in listed["items"]] == ["minilm", "kept"]
-            deployed = httpx.get(f"{url}/v1/deployments/minilm", headers=headers).json()
-            assert deployed["aliases"] == {"production": "1"} and deployed["min_hot"] == 1
-            version = httpx.get(f"{url}/v1/models/minilm/versions/1", headers=headers).json()
-            assert version["status"] == "ready" and version["tensor_count"] == 104
-        assert (tmp_path / "data" / "registry.db").exists()
-        assert (tmp_path / "data" / "redis" / "redis.pid").exists()
-    finally:
-        shutdown_redis(redis_port)
+        wait_until(answers, 240, "minilm predictions after ember up")
+        listed = httpx.get(f"{url}/v1/models", headers=headers).json()
+        assert [m["name"] for m in listed["items"]] == ["minilm", "kept"]
+        deployed = httpx.get(f"{url}/v1/deployments/minilm", headers=headers).json()
+        assert deployed["aliases"] == {"production": "1"} and deployed["min_hot"] == 1
+        version = httpx.get(f"{url}/v1/models/minilm/versions/1", headers=headers).json()
+        assert version["status"] == "ready" and version["tensor_count"] == 104
+    assert (tmp_path / "data" / "registry.db").exists()
+    # The data directory's own Redis: its password and port kept there; stopped with
+    # `ember up` (tests/security/test_small_holes.py checks the rest).
+    assert (tmp_path / "data" / "redis" / "password").exists()
+    assert (tmp_path / "data" / "redis" / "port").read_text().strip() == str(redis_port)
+    assert not (tmp_path / "data" / "redis" / "redis.pid").exists()  # removed as it stopped
 
 
 def test_configured_admin_key_is_the_admin_key(tmp_path: Path, redis_url: str) -> None:

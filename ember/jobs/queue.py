@@ -31,8 +31,11 @@ SWEEP_LOCK = "ember:jobs:sweep-lock"
 
 
 def broker_url(settings: Settings) -> str:
-    """``EMBER_REDIS_URL``, else the local Redis that ``ember up`` starts."""
-    return settings.redis_url or f"redis://127.0.0.1:{settings.local_redis_port}/0"
+    """``EMBER_REDIS_URL``, else the data directory's local Redis that ``ember up``
+    starts (its password and port, from the data directory)."""
+    from ember.local import local_url
+
+    return local_url(settings)
 
 
 def make_celery(settings: Settings) -> Any:

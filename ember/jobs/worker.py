@@ -4,13 +4,14 @@ One process runs ``EMBER_JOBS_WORKER_CONCURRENCY`` jobs at once on Celery's thre
 (the work is HTTP calls to the gateway), plus a lease-renewal thread and the sweeper.
 
 **How a worker authenticates.** Workers call the gateway's data plane like any client,
-with an *admin* key and ``X-Ember-Tenant: <the job's tenant>`` (the act-as rule of
-``ember.api.deps``), so one worker serves every tenant and each call is admitted,
-budgeted and logged as that tenant. The key is ``EMBER_JOBS_API_KEY``; ``ember up`` mints
-a dedicated admin key named ``ember-up-worker`` at every start (revoking the previous
-one) and hands it to its worker in the environment, so a single-machine set-up needs no
-configuration. Workers on other hosts get a key created with ``ember keys create
---admin`` and the gateway's URL in ``EMBER_JOBS_API_URL``. Workers also need the
+with a *worker* key and ``X-Ember-Tenant: <the job's tenant>`` (a worker key acts for any
+tenant on the data plane and nothing on the control plane, ``ember.registry.tenants``),
+so one worker serves every tenant and each call is admitted, budgeted and logged as that
+tenant. The key is ``EMBER_JOBS_API_KEY``; ``ember up`` mints a dedicated worker key named
+``ember-up-worker`` at every start (revoking the previous one) and hands it to its worker
+in the environment, so a single-machine set-up needs no configuration. Workers on other
+hosts get a key created with ``ember keys create --worker`` (an admin key works too) and
+the gateway's URL in ``EMBER_JOBS_API_URL``. Workers also need the
 registry (``EMBER_DATABASE_URL``), Redis (``EMBER_REDIS_URL``) and, for large inputs and
 results, the object store.
 """
@@ -28,7 +29,6 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-import httpx
 from sqlalchemy import Engine, inspect
 from sqlmodel import Session, col, select
 
@@ -67,9 +67,9 @@ def build(settings: Settings) -> tuple[Any, Runner, Sweeper, Leases]:
     """The Celery app with Ember's tasks bound to a runner (no threads started)."""
     if settings.jobs_api_key is None:
         raise InvalidInput(
-            "a worker needs EMBER_JOBS_API_KEY (an admin key; it acts for each job's tenant). "
+            "a worker needs EMBER_JOBS_API_KEY (a worker key; it acts for each job's tenant). "
             "`ember up` sets one for its own worker; elsewhere create one with "
-            "`ember keys create --admin`"
+            "`ember keys create --worker`"
         )
     engine = make_engine(settings.registry_url)
     wait_for_schema(engine)
@@ -78,7 +78,6 @@ def build(settings: Settings) -> tuple[Any, Runner, Sweeper, Leases]:
     leases = Leases(engine, settings.jobs_lease_s)
     runner = Runner(settings, engine, publisher, leases)
     sweeper = Sweeper(settings, engine, publisher)
-    hooks = httpx.Client()
 
     def run(uid: object) -> str:
         if not isinstance(uid, str) or len(uid) > 40:
@@ -89,7 +88,7 @@ def build(settings: Settings) -> tuple[Any, Runner, Sweeper, Leases]:
     def webhook(uid: object) -> str:
         if not isinstance(uid, str) or len(uid) > 40:
             return "malformed"
-        return webhooks.deliver(engine, settings, publisher, uid, job_document, hooks)
+        return webhooks.deliver(engine, settings, publisher, uid, job_document)
 
     # Late acknowledgement: a message is acknowledged only once its job is settled (the
     # result written, or re-queued), and rejected back to the queue if the worker dies.
@@ -175,7 +174,8 @@ def _watch_parent(parent: int) -> None:
 
 
 def mint_worker_key(engine: Engine) -> str:
-    """A fresh admin key for ``ember up``'s worker; earlier ones are revoked."""
+    """A fresh worker key for ``ember up``'s worker (the data plane, for any tenant;
+    nothing on the control plane); earlier ones are revoked."""
     from ember.registry.db import session_scope
     from ember.registry.tables import ApiKey, KeyScope
     from ember.registry.tenants import DEFAULT_TENANT, create_key, get_tenant
@@ -187,7 +187,7 @@ def mint_worker_key(engine: Engine) -> str:
             old.revoked_at = datetime.now(UTC)
             session.add(old)
         _, key = create_key(
-            session, get_tenant(session, DEFAULT_TENANT), UP_WORKER_KEY, KeyScope.admin
+            session, get_tenant(session, DEFAULT_TENANT), UP_WORKER_KEY, KeyScope.worker
         )
     return key
 

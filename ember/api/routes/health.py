@@ -1,9 +1,9 @@
-"""Liveness and readiness (unauthenticated)."""
+"""Liveness and readiness (unauthenticated). ``/metrics`` is ``ember.api.metrics``."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
 import ember
@@ -25,14 +25,3 @@ def readyz(request: Request) -> JSONResponse:
         body = {"status": "unavailable", "detail": f"registry: {type(exc).__name__}"}
         return JSONResponse(body, status_code=503)
     return JSONResponse({"status": "ready"})
-
-
-@router.get(
-    "/metrics",
-    summary="Prometheus metrics of the pools and the gateway",
-    response_class=PlainTextResponse,
-)
-def metrics(request: Request) -> Response:
-    gateway = getattr(request.app.state, "gateway", None)
-    data = gateway.controller.metrics.render() if gateway is not None else b""
-    return PlainTextResponse(data, media_type="text/plain; version=0.0.4")
