@@ -8,6 +8,7 @@ Client side (talks to the API at ``EMBER_URL`` with ``EMBER_API_KEY``): ``ember 
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -100,26 +101,39 @@ def up() -> None:
 
     settings = load_settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    # A SIGTERM stops `ember up` as a Ctrl-C does, through the `finally` below (uvicorn
+    # hands the signal back to this handler once the API has shut down).
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     with friendly_errors():
-        redis_url = ensure_redis(settings)
-        prepared = prepare(settings)
-        seeded = seed_examples(settings, prepared[0])
-    print(f"redis:    {redis_url.split('@')[-1]}")
-    if seeded:
-        print(f"example:  minilm:1 pushed to {seeded} and deployed as `minilm`")
-    from ember.jobs.worker import supervise
-
-    worker = supervise(settings, prepared[0], redis_url)  # restarted whenever it dies
-    print(f"worker:   pid {worker.proc.pid if worker.proc else '?'} (`ember worker`, supervised)")
-    from ember.batch.beat import supervise as supervise_beat
-
-    beat = supervise_beat(settings, redis_url)  # fires batch schedules
-    print(f"beat:     pid {beat.proc.pid if beat.proc else '?'} (`ember beat`, supervised)")
+        redis = ensure_redis(settings)  # this data directory's own, stopped on the way out
+    stops: list[Callable[[], None]] = [redis.stop]
     try:
+        with friendly_errors():
+            prepared = prepare(settings)
+            seeded = seed_examples(settings, prepared[0])
+        redis_url = redis.url  # carries the password: printed without it
+        print(f"redis:    {redis.shown}")
+        if seeded:
+            print(f"example:  minilm:1 pushed to {seeded} and deployed as `minilm`")
+        from ember.jobs.worker import supervise
+
+        worker = supervise(settings, prepared[0], redis_url)  # restarted whenever it dies
+        stops.insert(0, worker.stop)
+        pid = worker.proc.pid if worker.proc else "?"
+        print(f"worker:   pid {pid} (`ember worker`, supervised)")
+        from ember.batch.beat import supervise as supervise_beat
+
+        beat = supervise_beat(settings, redis_url)  # fires batch schedules
+        stops.insert(0, beat.stop)
+        print(f"beat:     pid {beat.proc.pid if beat.proc else '?'} (`ember beat`, supervised)")
         _run_api(settings, reload=False, prepared=prepared)
-    finally:
-        beat.stop()
-        worker.stop()
+    finally:  # beat, worker, then Redis (the worker's warm shutdown still needs it)
+        for stop in stops:
+            stop()
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _run_api(
@@ -171,12 +185,18 @@ def keys_create(
     name: Annotated[str, typer.Option(help="A label for the key.")] = "default",
     tenant: Annotated[str | None, typer.Option(help="Tenant (default: yours).")] = None,
     admin: Annotated[bool, typer.Option(help="Create an admin key.")] = False,
+    worker: Annotated[
+        bool, typer.Option(help="Create a worker key (job and batch workers on other hosts).")
+    ] = False,
     local: Annotated[
         bool, typer.Option(help="Write to the local registry directly (no API, no key needed).")
     ] = False,
 ) -> None:
-    """Create an API key; its secret is printed once."""
-    scope = "admin" if admin else "tenant"
+    """Create an API key; its secret is printed once. Admin and worker keys need an admin
+    key (or --local)."""
+    if admin and worker:
+        raise typer.BadParameter("give --admin or --worker, not both")
+    scope = "admin" if admin else "worker" if worker else "tenant"
     if local:
         out.print(_local_key(name, tenant, scope))
         return

@@ -49,7 +49,10 @@ class Settings(BaseSettings):
     redis_url: str | None = None
     """Redis for the job queue and shared caches. Unset: ``ember up`` starts a local one."""
     local_redis_port: int = Field(6390, ge=1, le=65535)
-    """Port of the local Redis that ``ember up`` starts when ``EMBER_REDIS_URL`` is unset."""
+    """Port on ``127.0.0.1`` of the data directory's own Redis that ``ember up`` starts
+    when ``EMBER_REDIS_URL`` is unset. Set: tried first; unset: the port that Redis had
+    last time (``<data_dir>/redis/port``), else 6390. Taken by anything but this data
+    directory's Redis (another data directory's, say): a free port instead."""
 
     object_store_url: str | None = None
     """Where ``ember models push`` puts artifacts (``file://`` or ``s3://bucket/prefix``).
@@ -231,8 +234,9 @@ class Settings(BaseSettings):
     """Base URL where job workers call the gateway's data plane. Default:
     ``http://<host>:<port>`` (``127.0.0.1`` when the API binds every address)."""
     jobs_api_key: SecretStr | None = None
-    """Admin key job workers send, acting for each job's tenant (``X-Ember-Tenant``).
-    ``ember up`` mints one for the worker it runs; set it for workers on other hosts."""
+    """Worker key job and batch workers send, acting for each job's tenant
+    (``X-Ember-Tenant``) on the data plane. ``ember up`` mints one for the worker it runs;
+    set it for workers on other hosts (``ember keys create --worker``)."""
     jobs_worker_concurrency: int = Field(4, ge=1, le=256)
     """Jobs one ``ember worker`` process runs at once (threads; the work is HTTP calls)."""
     jobs_max_attempts: int = Field(5, ge=1, le=100)
@@ -272,14 +276,16 @@ class Settings(BaseSettings):
     jobs_tenant_max_queued_units: float = Field(1_000_000.0, gt=0)
     """Model units of unfinished jobs a tenant may have; submissions beyond get 429."""
     jobs_tenant_max_queued_jobs: int = Field(10_000, ge=1)
-    """Unfinished jobs a tenant may have; submissions beyond get 429."""
+    """Unfinished jobs a tenant may have (the default of its ``queued_jobs`` quota, which an
+    admin may override per tenant); submissions beyond get 429."""
     jobs_webhook_allow_private: bool = False
     """Allow webhooks to loopback, private, link-local and other non-public addresses
     (off: such URLs are refused, SSRF)."""
     jobs_webhook_max_attempts: int = Field(8, ge=1, le=100)
     """Deliveries tried per webhook (backoff between them) before it is marked failed."""
     jobs_webhook_timeout_s: float = Field(10.0, gt=0, le=300)
-    """Timeout of one webhook delivery."""
+    """Total time one webhook delivery may take (connect, send, the answer), however
+    slowly the receiver drips its answer."""
 
     # --- batch scoring (ember/batch) ---
     batch_lease_s: float = Field(30.0, ge=1, le=3600)
@@ -301,14 +307,89 @@ class Settings(BaseSettings):
     ``:predict``."""
 
     # --- trust: the code a version may name (issue 20 §1) ---
+    engine_factories: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: [
+            "ember.engine.examples.mlp:mlp",
+            "ember.engine.examples.mlp:slow_mlp",
+        ]
+    )
+    """Torch-engine factories every tenant may name (comma-separated ``fnmatch``
+    patterns): one with a ``:`` matches the whole ``module:callable``
+    (``mycorp.models:build_*``), one without the module path (``mycorp.models.*``). The
+    callable must be one public name defined in that module. Default: Ember's example
+    models. A tenant an admin marks trusted may name any importable factory. Replicas
+    check it again at load: set it for them too."""
+    vllm_args_allowed: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """``vllm serve`` flags (comma-separated, without dashes) a version's
+    ``engine_config.vllm_args`` may set beyond Ember's tuning-flag allowlist, each with a
+    scalar value; the flags Ember sets itself (``load-format``, ``model``, ...) never.
+    Default: none."""
+
+    @field_validator("engine_factories", "vllm_args_allowed", mode="before")
+    @classmethod
+    def _trust_csv(cls, value: object) -> object:
+        return _split_csv(value)
 
     # --- replicas: least privilege and the replica API's secret (issue 20 §2, §3) ---
+    replica_user: str = Field("auto", min_length=1, max_length=64)
+    """The user local replicas run as. ``auto`` (default): where the API runs as root, each
+    tenant's replicas run as uid ``EMBER_REPLICA_UID_BASE + tenant id`` (no passwd entry
+    needed; a standby process drops to it on ``/assign``, before it reads anything of the
+    version), unless a directory the replica needs (the interpreter, the virtualenv, the
+    data directory, the cache) is not traversable by other users: then as root, with a
+    warning. ``off``: the API's own user. A user name or uid: every replica runs as it, and
+    a launch fails when it cannot reach what it needs."""
+    replica_uid_base: int = Field(61000, ge=1000, le=2**31 - 2**24)
+    """``EMBER_REPLICA_USER=auto``: tenant N's replicas run as this uid plus N."""
+    replica_env_passthrough: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Extra environment variables (exact names, comma-separated) that local replica
+    processes inherit besides the built-in allowlist (``ember.pools.backends.local``'s
+    ``ENV_ALLOWLIST``). Default: none."""
+
+    @field_validator("replica_env_passthrough", mode="before")
+    @classmethod
+    def _env_names(cls, value: object) -> object:
+        return _split_csv(value)
 
     # --- data confinement: tenant prefixes in the stores (issue 20 §4) ---
 
     # --- quotas and rate limits (issue 20 §6) ---
+    # Each is the default of one per-tenant quota (``PATCH /v1/tenants/{name}`` overrides it).
+    # The queued-jobs quota's default is ``EMBER_JOBS_TENANT_MAX_QUEUED_JOBS`` (async jobs).
+    quota_replicas: int = Field(32, ge=0, le=100_000)
+    """Replicas a tenant's deployments may hold at most (hot + warm + standby: each
+    deployment counts its ``max_replicas``, plus its canary's and fallback versions' share);
+    a deployment create or change beyond it gets 403."""
+    quota_gpus: int = Field(8, ge=0, le=100_000)
+    """GPUs a tenant's deployments may hold at most (``max_replicas`` x ``placement.gpus``
+    where ``placement.accelerator`` is set), likewise."""
+    quota_cpu_cores: float = Field(64.0, ge=0, le=1_000_000)
+    """CPU cores a tenant's deployments may hold at most (``max_replicas`` x
+    ``placement.cpu_cores``), likewise."""
+    quota_memory_gib: float = Field(256.0, ge=0, le=10_000_000)
+    """Memory (GiB) a tenant's deployments may hold at most (``max_replicas`` x
+    ``placement.memory_gib``), likewise."""
+    quota_job_bytes: int = Field(10 * 1024**3, ge=0, le=2**62)
+    """Bytes of job inputs and results a tenant may keep stored (jobs not yet purged, see
+    ``EMBER_JOBS_RESULT_TTL_S``); a job submitted beyond gets 403."""
+    quota_batch_runs: int = Field(4, ge=0, le=100_000)
+    """Batch runs a tenant may have running at once; a run started beyond gets 429 (a
+    scheduled one is recorded as failed, refused by the quota)."""
+    quota_requests_per_s: float = Field(50.0, gt=0, le=1_000_000)
+    """Control-plane requests per second each tenant key may send (everything but the data
+    plane: ``:predict``, the V2 and OpenAI routes, ``:batch-lane``), shared by every API
+    process through Redis; beyond, 429 with ``Retry-After``. Admin keys are not limited."""
+    quota_request_burst: float = Field(200.0, ge=1, le=10_000_000)
+    """Requests a key may send at once above that rate. A tenant whose rate an admin
+    overrides keeps the same burst window (this ÷ the rate, in seconds)."""
 
     # --- metrics, webhooks, the local Redis (issue 20 §7) ---
+    metrics_port: int | None = Field(None, ge=1, le=65535)
+    """Serve ``/metrics`` on this port, bound to ``127.0.0.1``, without a key (and not on
+    the API port). Unset (the default): ``/metrics`` is on the API port and needs a key (an
+    admin key reads every series, a tenant key its own tenant's)."""
+    jobs_webhook_max_response_bytes: int = Field(4096, ge=0, le=1_048_576)
+    """Bytes of a webhook receiver's answer read (the rest is not); default 4 KiB."""
 
     @field_validator("file_roots", "s3_allowed_buckets", "k8s_standby_accelerators", mode="before")
     @classmethod

@@ -11,8 +11,9 @@ from fastapi import FastAPI
 from sqlalchemy import Engine
 
 import ember
+from ember.api import metrics as metrics_routes
 from ember.api import problems
-from ember.api.deps import PrincipalCache
+from ember.api.deps import ControlPlane, PrincipalCache
 from ember.api.lane import JSON_MEDIA, LaneApp
 from ember.api.middleware import TENSOR_MEDIA, BodyLimit, JsonBodies, RequestContext
 from ember.api.routes import batch as batch_routes
@@ -62,14 +63,22 @@ def create_app(
         jobs_demand.attach(app, settings)  # job publisher; queue depth to the autoscaler
         log.info("ember api ready", registry=settings.registry_url.split("@")[-1],
                  resumed_validations=resumed)  # fmt: skip
+        loopback_metrics = None
+        if settings.metrics_port is not None:  # /metrics on loopback only, no key
+            loopback_metrics = metrics_routes.LoopbackMetrics(app, settings.metrics_port)
+            await loopback_metrics.start()
         if freeze_gc:
             gc.collect()
             gc.freeze()
         try:
             yield
         finally:
+            if loopback_metrics is not None:
+                await loopback_metrics.close()
             app.state.validator.close()
             jobs_demand.detach(app)
+            if getattr(app.state, "ratelimiter", None) is not None:
+                await app.state.ratelimiter.close()
             if getattr(app.state, "gateway", None) is not None:
                 await app.state.gateway.close()
                 await app.state.gateway.controller.stop()
@@ -85,9 +94,13 @@ def create_app(
     app.state.principals = PrincipalCache()
     problems.install(app)
     # The data plane first: its routes are matched on every request.
-    for module in (predict, v2, openai, health, tenants, models, deployments, jobs):
+    for module in (predict, v2, openai, health):
         app.include_router(module.router)
-    app.include_router(batch_routes.router)
+    # The control plane: no worker keys, and each tenant key held to its request rate.
+    for module in (tenants, models, deployments, jobs, batch_routes):
+        app.include_router(module.router, dependencies=[ControlPlane])
+    if settings.metrics_port is None:  # else on loopback only (``ember.api.metrics``)
+        app.include_router(metrics_routes.router)
     # In front of everything: the predict lane takes what it reads (``ember.api.lane``).
     app.add_lane(
         predict.PREDICT_PATH,

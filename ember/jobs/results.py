@@ -5,9 +5,10 @@ Results are the canonical JSON ``{"predictions": [...]}``; its sha256 is the job
 under ``job-results/<tenant>/<model>/<version>/<job>/attempt-<n>.json``: each attempt
 writes its own object, and the one whose fenced write lost deletes its own).
 
-``input_uri`` objects must lie under ``job-inputs/<tenant>/`` of the object store, so a
-tenant can only feed a model what it put there itself (``ember jobs submit --input``
-uploads there).
+``input_uri`` objects must lie under the tenant's own prefix (``job-inputs/<tenant>/`` of
+the object store, where ``ember jobs submit --input`` uploads, or ``<tenant>/`` of an extra
+file root or allowed bucket; ``ember.loader.stores.tenant_prefixes``), so a tenant can
+only feed a model what it put there itself; the worker reads it confined the same way.
 """
 
 from __future__ import annotations
@@ -18,13 +19,19 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import numpy as np
 
 from ember.config import Settings
-from ember.errors import InvalidInput, LoaderError, PayloadTooLarge
-from ember.loader.stores import FileStore, ObjectInfo, S3Store, join_uri, open_store
+from ember.errors import InvalidInput, LoaderError, PayloadTooLarge, StoreAccessDenied
+from ember.loader.stores import (
+    FileStore,
+    ObjectInfo,
+    S3Store,
+    check_location,
+    join_uri,
+    open_store,
+)
 
 DTYPES = ("float32", "float16", "float64", "int64", "int32")
 
@@ -52,8 +59,17 @@ def put_bytes(settings: Settings, uri: str, data: bytes) -> ObjectInfo:
         Path(tmp).unlink(missing_ok=True)
 
 
-def read_bytes(settings: Settings, uri: str, max_bytes: int, etag: str | None = None) -> bytes:
-    store = open_store(uri, settings)
+def read_bytes(
+    settings: Settings,
+    uri: str,
+    max_bytes: int,
+    etag: str | None = None,
+    *,
+    tenant: str | None = None,
+) -> bytes:
+    """The whole object; with ``tenant``, only if it lies under that tenant's job-input
+    prefixes (``locate_input``)."""
+    store = open_store(uri, settings, tenant=tenant, area="job-inputs")
     info = store.stat(uri)
     if info.size > max_bytes:
         raise PayloadTooLarge(f"{uri} is {info.size} bytes; the limit is {max_bytes}")
@@ -103,17 +119,19 @@ def result_prefix(settings: Settings, tenant: str, model: str, version: str, uid
 
 
 def locate_input(settings: Settings, tenant: str, uri: str) -> ObjectInfo:
-    """Check that ``uri`` is the tenant's own job input and small enough; its stat."""
-    prefix = input_prefix(settings, tenant)
-    parsed = urlparse(uri)
-    if not uri.startswith(prefix) or ".." in parsed.path.split("/") or "%" in parsed.path:
-        raise InvalidInput(
-            f"input_uri must lie under {prefix} (upload it there, or use "
-            "`ember jobs submit --input FILE`)",
-            allowed_prefix=prefix,
-        )
+    """Check that ``uri`` is the tenant's own job input and small enough; its stat.
+
+    The location is checked before the object is looked at, so a refusal is the same
+    whether or not something exists there; no answer names a server path."""
     try:
-        info = open_store(uri, settings).stat(uri)
+        check_location(uri, settings, tenant=tenant, area="job-inputs")
+    except StoreAccessDenied as exc:
+        raise InvalidInput(
+            f"input_uri: {exc.detail}; upload it to job-inputs/{tenant}/ of the object "
+            "store, or use `ember jobs submit --input FILE`"
+        ) from exc
+    try:
+        info = open_store(uri, settings, tenant=tenant, area="job-inputs").stat(uri)
     except LoaderError as exc:
         raise InvalidInput(f"input_uri: {exc.detail}") from exc
     if info.size > settings.jobs_max_input_bytes:

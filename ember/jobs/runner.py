@@ -284,7 +284,11 @@ class Runner:
             raise Permanent("the job's inputs were purged", "inputs-purged")
         try:
             data = results.read_bytes(
-                self.settings, job.input_uri, self.settings.jobs_max_input_bytes, job.input_etag
+                self.settings,
+                job.input_uri,
+                self.settings.jobs_max_input_bytes,
+                job.input_etag,
+                tenant=tenant,
             )
         except StoreUnavailable as exc:
             raise Transient(f"input_uri: {exc.detail}") from exc

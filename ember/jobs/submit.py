@@ -24,7 +24,7 @@ from ember.jobs import records, results, webhooks
 from ember.jobs.queue import Publisher
 from ember.jobs.schemas import JobCreate
 from ember.logs import bound, get_logger
-from ember.registry import catalog
+from ember.registry import catalog, quotas
 from ember.registry.schemas import PoolPolicy
 from ember.registry.tables import Deployment, Job, JobStatus, Model, ModelVersion, VersionStatus
 from ember.registry.tenants import Principal
@@ -134,13 +134,18 @@ def submit(
     else:
         input_info = results.locate_input(settings, principal.tenant, body.input_uri or "")
         data = results.read_bytes(
-            settings, input_info.uri, settings.jobs_max_input_bytes, input_info.etag
+            settings,
+            input_info.uri,
+            settings.jobs_max_input_bytes,
+            input_info.etag,
+            tenant=principal.tenant,
         )
         instances = results.parse_instances(data, "input_uri")
     results.check_instances(instances, version.input_schema)
     cost = CostModel.from_dict((version.cost_models or {}).get(hardware_key("cpu")))
     units = cost.cost(1) * len(instances)
-    _check_quota(session, settings, principal, units)
+    input_bytes = input_info.size if input_info else quotas.inline_bytes(instances)
+    _check_quota(session, settings, principal, units, input_bytes)
     policy = PoolPolicy.model_validate(deployment.policy)
     job = Job(
         uid=records.new_uid(),
@@ -156,7 +161,7 @@ def submit(
         inputs=instances if input_info is None else None,
         input_uri=input_info.uri if input_info else None,
         input_etag=input_info.etag if input_info else None,
-        input_bytes=input_info.size if input_info else None,
+        input_bytes=input_bytes,
         request_sha256=digest,
         idempotency_key=key,
         webhook_url=body.webhook_url,
@@ -187,19 +192,20 @@ def submit(
     return job, False
 
 
-def _check_quota(session: Session, settings: Settings, principal: Principal, units: float) -> None:
-    queued_units, queued_jobs = session.exec(
-        select(func.coalesce(func.sum(Job.units), 0.0), func.count()).where(
+def _check_quota(
+    session: Session, settings: Settings, principal: Principal, units: float, input_bytes: int
+) -> None:
+    """The tenant's quotas (``ember.registry.quotas``: queued jobs, stored job bytes) and
+    the model units its unfinished jobs may hold."""
+    quotas.check_jobs(
+        session, quotas.limits_for(session, settings, principal.tenant_id),
+        principal.tenant_id, input_bytes,
+    )  # fmt: skip
+    queued_units = session.exec(
+        select(func.coalesce(func.sum(Job.units), 0.0)).where(
             Job.tenant_id == principal.tenant_id, col(Job.status).in_(records.UNFINISHED)
         )
     ).one()
-    if queued_jobs + 1 > settings.jobs_tenant_max_queued_jobs:
-        raise BackPressure(
-            f"tenant {principal.tenant!r} has {queued_jobs} unfinished jobs; the quota is "
-            f"{settings.jobs_tenant_max_queued_jobs}",
-            retry_after_s=QUOTA_RETRY_AFTER_S,
-            queued_jobs=queued_jobs,
-        )
     if float(queued_units) + units > settings.jobs_tenant_max_queued_units:
         raise BackPressure(
             f"tenant {principal.tenant!r} has {float(queued_units):g} model units of unfinished "

@@ -58,7 +58,14 @@ from ember.pools.warmtier import SharedWarmTier
 from ember.registry import catalog
 from ember.registry.db import session_scope
 from ember.registry.schemas import PoolPolicy
-from ember.registry.tables import BatchRun, Deployment, Model, ModelVersion, VersionStatus
+from ember.registry.tables import (
+    BatchRun,
+    Deployment,
+    Model,
+    ModelVersion,
+    Tenant,
+    VersionStatus,
+)
 
 if TYPE_CHECKING:
     from ember.pools.leader import LeaseElection
@@ -426,6 +433,9 @@ class PoolsController:
             pins: dict[tuple[int, str], set[str]] = {}
             for run in session.exec(select(BatchRun).where(BatchRun.status == "running")):
                 pins.setdefault((run.tenant_id, run.deployment), set()).add(run.version)
+            self.metrics.tenant_names = {
+                t.id: t.name for t in session.exec(select(Tenant)) if t.id is not None
+            }
             for d in session.exec(select(Deployment)):
                 model = session.get(Model, d.model_id)
                 if model is None:
@@ -442,7 +452,11 @@ class PoolsController:
                     )
                     if r.status is VersionStatus.ready
                 ]
-                specs = {r.version: catalog.version_spec(model, r, self.hardware) for r in rows}
+                tenant = session.get(Tenant, d.tenant_id)  # trusted: replicas skip code checks
+                trusted = {"trusted": bool(tenant is not None and tenant.trusted)}
+                specs = {
+                    r.version: catalog.version_spec(model, r, self.hardware) | trusted for r in rows
+                }
                 views[(d.tenant_id, d.name)] = DeploymentView(
                     d.tenant_id,
                     d.name,
@@ -489,7 +503,7 @@ class PoolsController:
                 continue
             status = self.backend.exited(replica.handle)
             if status is not None:
-                self.metrics.replaced.labels(reason="exited").inc()
+                self.metrics.replaced.labels(self.metrics.tenant(replica.key[0]), "exited").inc()
                 reason = self.backend.exit_reason(replica.handle)
                 self._fail(replica, reason or f"process exited with status {status}")
 
@@ -499,7 +513,8 @@ class PoolsController:
 
     async def _check_one(self, replica: ManagedReplica) -> None:
         try:
-            info = (await self._http.get(f"{replica.handle.url}/info")).json()
+            url, auth = f"{replica.handle.url}/info", replica.handle.auth
+            info = (await self._http.get(url, headers=auth)).json()
         except (httpx.HTTPError, ValueError):
             return  # not listening yet
         if info.get("state") == "failed":
@@ -523,12 +538,15 @@ class PoolsController:
                 self._change_tier(replica, "warm")
             elif replica.key[1] and replica.tier == "hot":
                 replica.route = Route(
-                    replica.handle.replica_id, replica.handle.url, replica.version
-                )
+                    replica.handle.replica_id, replica.handle.url, replica.version,
+                    secret=replica.handle.secret,
+                )  # fmt: skip
             if replica.key[1] and not replica.adopted:
                 took = replica.ready_at - replica.started_at
                 self.metrics.cold_start.labels(
-                    model=replica.model, version=replica.version
+                    tenant=self.metrics.tenant(replica.key[0]),
+                    model=replica.model,
+                    version=replica.version,
                 ).observe(took)
                 self._promoted(replica.source, took)
                 self.failures.pop((replica.key, replica.version), None)
@@ -555,8 +573,9 @@ class PoolsController:
         replica.probe_failures += 1
         if replica.probe_failures >= self.probe_settings.failures:
             detected = time.monotonic() - replica.last_ok
-            self.metrics.detect_seconds.observe(detected)
-            self.metrics.replaced.labels(reason="probe").inc()
+            tenant = self.metrics.tenant(replica.key[0])
+            self.metrics.detect_seconds.labels(tenant).observe(detected)
+            self.metrics.replaced.labels(tenant, "probe").inc()
             self._fail(replica, f"failed {replica.probe_failures} health probes")
             self._event("killed", replica, detected_after_s=round(detected, 3))
 
@@ -743,8 +762,9 @@ class PoolsController:
         started = time.monotonic()
         try:
             response = await self._http.post(
-                f"{replica.handle.url}/tier", json={"tier": tier}, timeout=600
-            )
+                f"{replica.handle.url}/tier", json={"tier": tier}, timeout=600,
+                headers=replica.handle.auth,
+            )  # fmt: skip
             ok = response.status_code == 200
         except httpx.HTTPError:
             ok = False
@@ -842,8 +862,11 @@ class PoolsController:
         """Give the standby process its version and the deployment's batch policy and
         threads (it was started with the defaults, before anyone knew its deployment)."""
         url, params = f"{replica.handle.url}/assign", options.replica_settings()
+        params |= self.backend.assign_query(replica.handle, spec, options)
         with contextlib.suppress(httpx.HTTPError):
-            await self._http.post(url, json=spec, params=params, timeout=600)
+            await self._http.post(
+                url, json=spec, params=params, timeout=600, headers=replica.handle.auth
+            )
 
     def _keep_standby(self) -> None:
         spares = [r for r in self.replicas.values() if not r.key[1]]

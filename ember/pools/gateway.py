@@ -245,7 +245,8 @@ class Gateway:
         input_digest: str | None,
         params: dict[str, Any] | None,
     ) -> None:
-        self.controller.metrics.rungs.labels(view.name, result.version, result.rung).inc()
+        metrics = self.controller.metrics
+        metrics.rungs.labels(*metrics.of(view), result.version, result.rung).inc()
         self._log(
             view, tenant, chosen, instances, result, started, input_digest, None, params, ended
         )
@@ -294,7 +295,7 @@ class Gateway:
             entry = await self.cache.get(key)
             if entry is not None and entry.fresh(time.time()):
                 self.cache.stats.hits += 1
-                self.controller.metrics.cache.labels(view.name, "hit").inc()
+                self.controller.metrics.cached(view, "hit")
                 return Prediction(
                     None, chosen, "-", view.name, 0, cache="hit", content=entry.content
                 )
@@ -312,7 +313,7 @@ class Gateway:
                 deadline=model_deadline,
             )
             outcome = "coalesced" if shared else "miss"
-            self.controller.metrics.cache.labels(view.name, outcome).inc()
+            self.controller.metrics.cached(view, outcome)
             if ran:
                 return replace(ran[0], cache=outcome)
             return Prediction(None, chosen, "-", view.name, 0, cache=outcome, content=body)
@@ -342,7 +343,7 @@ class Gateway:
             if entry is not None:
                 self.cache.stats.stale_hits += 1
                 fresh = entry.fresh(time.time())
-                self.controller.metrics.cache.labels(view.name, "stale").inc()
+                self.controller.metrics.cached(view, "stale")
                 return Prediction(
                     None,
                     chosen,
@@ -445,7 +446,7 @@ class Gateway:
             except ReplicaUnreachable as exc:
                 record_failure(route)
                 if time.monotonic() < deadline and self.budget.try_withdraw():
-                    metrics.requests.labels(view.name, chosen, "retried").inc()
+                    metrics.request(view, chosen, "retried")
                     log.warning(
                         "replica unreachable, retrying",
                         replica_id=route.replica_id,
@@ -459,7 +460,7 @@ class Gateway:
                 and time.monotonic() < deadline
                 and self.budget.try_withdraw()
             ):
-                metrics.requests.labels(view.name, chosen, "retried").inc()
+                metrics.request(view, chosen, "retried")
                 continue
             if response.status_code != 200:
                 if response.status_code >= 500:
@@ -467,7 +468,7 @@ class Gateway:
                 raise _passthrough(response)
             elapsed = time.monotonic() - started
             asyncio.get_running_loop().call_soon(  # after the answer is sent, as above
-                self._replica_answered, route, view.name, chosen, window, elapsed,
+                self._replica_answered, route, view, chosen, window, elapsed,
                 response.headers.get("x-ember-queue-ms"),
             )  # fmt: skip
             return Prediction(
@@ -511,7 +512,7 @@ class Gateway:
                 queue_units=QUEUE_BATCHES * capacity,
             )
         except BackPressure:
-            self.controller.metrics.requests.labels(view.name, version, "shed").inc()
+            self.controller.metrics.request(view, version, "shed")
             self.controller.record_demand(key, version, units, admitted=False)
             raise
         self.controller.record_demand(key, version, units, admitted=True)
@@ -531,7 +532,8 @@ class Gateway:
         admitted demand so the autoscaler sees batch work it never routed. With no
         replica ready, a replica of the version is asked for (``coming`` wakes a
         scale-to-zero deployment) and the list is empty: the worker sends through
-        ``:predict`` meanwhile, which waits."""
+        ``:predict`` meanwhile, which waits. Each replica comes with its API's secret:
+        only a worker or admin key may ask (the route's scope)."""
         if version not in view.specs:  # as ``predict`` refuses it
             raise NotFound(f"version {version!r} is not served by deployment {view.name!r}")
         key = (view.tenant_id, view.name)
@@ -552,7 +554,10 @@ class Gateway:
             "version": version,
             "max_batch_size": view.policy.max_batch_size,
             "refresh_s": LANE_REFRESH_S,
-            "replicas": [{"id": r.replica_id, "url": r.url, "window": window} for r in routes],
+            "replicas": [
+                {"id": r.replica_id, "url": r.url, "secret": r.secret, "window": window}
+                for r in routes
+            ],
         }
 
     def candidates(
@@ -571,7 +576,7 @@ class Gateway:
         per_replica = QUEUE_BATCHES * view.policy.max_batch_size * cost.cost(1)
         candidates = [r for r in candidates if r.inflight_units + units <= per_replica]
         if not candidates:
-            self.controller.metrics.requests.labels(view.name, version, "shed").inc()
+            self.controller.metrics.request(view, version, "shed")
             batch_s = view.policy.max_queue_delay_ms / 1000 + cost.service_s(1)
             raise BackPressure(
                 f"every replica of {view.name}:{version} has {QUEUE_BATCHES} batches queued",
@@ -583,7 +588,7 @@ class Gateway:
     def _replica_answered(
         self,
         route: Route,
-        deployment: str,
+        view: DeploymentView,
         version: str,
         window: LatencyWindow,
         elapsed: float,
@@ -593,12 +598,13 @@ class Gateway:
         self.controller.mark_ok(route.replica_id)
         window.add(elapsed)
         metrics = self.controller.metrics
-        metrics.requests.labels(deployment, version, "ok").inc()
-        metrics.success(deployment, version)
-        metrics.latency.labels(deployment, version).observe(elapsed)
+        labels = metrics.of(view)
+        metrics.requests.labels(*labels, version, "ok").inc()
+        metrics.success(*labels, version)
+        metrics.latency.labels(*labels, version).observe(elapsed)
         if queue_ms is not None:
             with contextlib.suppress(ValueError):
-                metrics.queue_time.labels(deployment, version).observe(float(queue_ms) / 1000)
+                metrics.queue_time.labels(*labels, version).observe(float(queue_ms) / 1000)
 
     async def _await_replica(
         self, key: tuple[int, str], version: str, units: float, deadline: float
@@ -633,11 +639,13 @@ class Gateway:
                 timeout = {TIMEOUT_HEADER: f"{payload['timeout_ms']:.3f}"}
                 return await self.hop.post(
                     route.url, "/infer", instances.data, headers | timeout, timeout_s,
-                    content_type=instances.content_type,
+                    content_type=instances.content_type, secret=route.secret,
                 )  # fmt: skip
             # pydantic's encoder: ~6x json.dumps; NaN as NaN, as json.dumps writes it
             body = pydantic_core.to_json(payload, inf_nan_mode="constants")
-            return await self.hop.post(route.url, "/infer", body, headers, timeout_s)
+            return await self.hop.post(
+                route.url, "/infer", body, headers, timeout_s, secret=route.secret
+            )
         finally:
             route.inflight_units -= units
 
@@ -662,7 +670,7 @@ class Gateway:
             return await first, route, False
         second_route = pick_replica(others)
         tried.add(second_route.replica_id)
-        self.controller.metrics.hedges.labels(view.name, version, "sent").inc()
+        self.controller.metrics.hedged(view, version, "sent")
         rest = remaining_s - hedge_after
         second = asyncio.create_task(self._send(second_route, payload, headers, units, rest))
         owner = {first: route, second: second_route}
@@ -675,7 +683,7 @@ class Gateway:
                     exc = task.exception()
                     if exc is None and task.result().status_code == 200:
                         if task is second:
-                            self.controller.metrics.hedges.labels(view.name, version, "won").inc()
+                            self.controller.metrics.hedged(view, version, "won")
                             # Outrun by a hedge: a strike against the slow replica, so a stuck
                             # one is ejected instead of costing a hedge per request.
                             record_failure(route)

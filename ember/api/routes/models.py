@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, BackgroundTasks, Path, Request, Response, status
 
 from ember.api.deps import Cursor, Limit, PrincipalDep, SessionDep, SettingsDep
-from ember.registry import catalog
+from ember.registry import catalog, trust
 from ember.registry.schemas import (
     NAME_PATTERN,
     VERSION_PATTERN,
@@ -18,7 +18,7 @@ from ember.registry.schemas import (
     ModelVersionPublic,
     Page,
 )
-from ember.registry.tables import VersionStatus
+from ember.registry.tables import Tenant, VersionStatus
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 ModelName = Annotated[str, Path(pattern=NAME_PATTERN, description="Model name.")]
@@ -73,9 +73,21 @@ def register_version(
 ) -> ModelVersionPublic:
     """Validates the artifact (safetensors header, sha256, size, tensor count). Small
     artifacts are validated before the answer (201, `ready`); large ones answer 202 with
-    status `pending` and validate in the background — poll the version."""
+    status `pending` and validate in the background — poll the version.
+
+    The code a version names is checked first (422 naming it): a torch factory must
+    match `EMBER_ENGINE_FACTORIES` unless an admin marked the tenant trusted; vLLM
+    `vllm_args` only tuning flags."""
     model = catalog.get_model(session, principal.tenant_id, name)
-    version = catalog.register_version(session, settings, model, body)
+    tenant = session.get(Tenant, principal.tenant_id)
+    trust.check_version_code(  # before anything is stored or the artifact is read
+        body.engine,
+        body.engine_config,
+        settings.engine_factories,
+        settings.vllm_args_allowed,
+        trusted=tenant is not None and tenant.trusted,
+    )
+    version = catalog.register_version(session, settings, model, body, principal)
     session.commit()
     if version.status is VersionStatus.pending and version.id is not None:
         response.status_code = status.HTTP_202_ACCEPTED
@@ -120,7 +132,9 @@ def delete_version(
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
-@router.put("/{name}/versions/{version}/cost-models/{hardware}", summary="Store a calibration")
+@router.put(
+    "/{name}/versions/{version}/cost-models/{hardware}", summary="Store a calibration (admin)"
+)
 def put_cost_model(
     name: ModelName,
     version: VersionRef,
@@ -130,7 +144,10 @@ def put_cost_model(
     session: SessionDep,
 ) -> ModelVersionPublic:
     """What `ember calibrate` measured for this version on this hardware: admission, the
-    router and the autoscaler read model units from here."""
+    router and the autoscaler read model units from here. Admin keys only (for a tenant's
+    version: `X-Ember-Tenant`): a tenant writing its own cost (zero) would never empty
+    its admission budget."""
+    principal.require_admin()
     model = catalog.get_model(session, principal.tenant_id, name)
     row = catalog.get_version(session, model, version)
     catalog.set_cost_model(row, hardware, body)

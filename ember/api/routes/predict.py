@@ -11,7 +11,13 @@ from fastapi.security.utils import get_authorization_scheme_param
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import Scope
 
-from ember.api.deps import PrincipalDep, SessionDep, cached_principal, get_principal
+from ember.api.deps import (
+    ControlPlane,
+    PrincipalDep,
+    SessionDep,
+    cached_principal,
+    get_principal,
+)
 from ember.api.lane import Answer, header_values
 from ember.api.problems import DATA_PLANE_RESPONSES
 from ember.engine.spec import Priority
@@ -266,6 +272,7 @@ class LaneRequest(BaseModel):
 class LaneReplica(BaseModel):
     id: str
     url: str
+    secret: str = Field(description="The replica API's secret (X-Ember-Replica-Secret).")
     window: int = Field(description="Instances the batch class may keep in flight to it.")
 
 
@@ -295,13 +302,19 @@ def batch_lane(
     batch``) to their ``/infer`` itself, so the gateway neither carries nor re-encodes
     them; replicas still serve online traffic first. ``sent`` reports what it sent that
     way since its last call, as demand for the autoscaler. An empty list: no replica is
-    ready yet (one is asked for); send through ``:predict`` meanwhile."""
+    ready yet (one is asked for); send through ``:predict`` meanwhile. Admin and worker
+    keys only: it names replicas, and ``sent`` counts as admitted demand."""
+    principal.require_worker_or_admin()
     gateway = gateway_of(request)
     view = gateway.deployment_for(principal.tenant_id, name)
     return gateway.batch_lane(view, version, body.sent)
 
 
-@router.get("/v1/deployments/{name}/replicas", summary="A deployment's replicas")
+@router.get(
+    "/v1/deployments/{name}/replicas",
+    summary="A deployment's replicas",
+    dependencies=[ControlPlane],
+)
 def replicas(
     name: Annotated[str, Path(pattern=NAME_PATTERN)],
     request: Request,
