@@ -130,13 +130,50 @@ def _component(name: str) -> str:
     return quoted
 
 
+def _give_to_dir_owner(path: Path, fd: int | None = None) -> None:
+    """As root, what this process just made in a directory of another user (a tenant's
+    cache directory, its replicas' uid's) becomes that user's, so its replicas can still
+    fill, pin and evict there (the API's warm set pins entries as root)."""
+    if os.geteuid() != 0:
+        return
+    parent = path.parent.stat()
+    if parent.st_uid == 0:
+        return
+    if fd is not None:
+        os.fchown(fd, parent.st_uid, parent.st_gid)
+    else:
+        os.chown(path, parent.st_uid, parent.st_gid, follow_symlinks=False)
+
+
+def _make_dirs(path: Path) -> None:
+    """``mkdir -p path``, each directory made given to its parent's owner (as root)."""
+    missing: list[Path] = []
+    while not path.is_dir():
+        missing.append(path)
+        if path.parent == path:
+            break
+        path = path.parent
+    for made in reversed(missing):
+        try:
+            made.mkdir()
+        except FileExistsError:
+            continue
+        _give_to_dir_owner(made)
+
+
 class _Flock:
     """One flock on one freshly opened descriptor (see the module docstring for why)."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        _make_dirs(path.parent)
         self.path = path
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        flags = os.O_RDWR | os.O_NOFOLLOW  # a lock is never a link (a replica's uid's plant)
+        try:
+            self.fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            self.fd = os.open(path, flags)
+        else:
+            _give_to_dir_owner(path, self.fd)
 
     def try_lock(self, op: int) -> bool:
         try:
@@ -434,7 +471,7 @@ class WeightCache:
             if not (fill.try_lock(fcntl.LOCK_EX) and pin.try_lock(fcntl.LOCK_EX)):
                 return False
             trash = self.root / ".trash" / uuid.uuid4().hex
-            trash.parent.mkdir(parents=True, exist_ok=True)
+            _make_dirs(trash.parent)
             os.replace(entry, trash)  # one atomic step: a pinner re-checks the inode
         finally:
             fill.close()

@@ -187,3 +187,27 @@ def test_cli_ls_warm_evict(
     assert "0 entries" in runner.invoke(app, ["ls"]).output
     bare = runner.invoke(make_cache_app(), ["warm", "m:1"])
     assert bare.exit_code == 1 and "--uri" in bare.output
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving files away needs root")
+def test_what_root_makes_in_a_tenants_cache_stays_the_tenants(tmp_path: Path) -> None:
+    """The API (root) pinning an entry in a tenant's directory (its replicas' uid's) makes
+    the entry's directories and lock files that uid's, so its replicas can still fill and
+    evict there; a lock file that is a link is refused, never followed."""
+    root = tmp_path / "cache"
+    tenant = root / "t2"
+    tenant.mkdir(parents=True)
+    os.chown(tenant, 61002, 61002)
+    cache = WeightCache(root, 10**9, lock_timeout_s=1)
+    key = CacheKey("m", "1", "a" * 64, tenant=2)
+    cache.pin(key).release()
+    entry = cache.entry_dir(key)
+    made = [p for p in (entry, entry / "pin.lock", *entry.parents) if p.is_relative_to(tenant)]
+    assert {p.stat().st_uid for p in made} == {61002}, made
+    target = tmp_path / "not-a-lock"
+    other = CacheKey("m", "2", "b" * 64, tenant=2)
+    cache.entry_dir(other).mkdir(parents=True)
+    (cache.entry_dir(other) / "pin.lock").symlink_to(target)
+    with pytest.raises(OSError):
+        cache.pin(other)
+    assert not target.exists()

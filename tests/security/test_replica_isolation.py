@@ -9,8 +9,13 @@ keeps a replica's uid out.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,13 +24,16 @@ from typing import Any
 import httpx
 import pytest
 
+import ember
 from ember.config import Settings
-from ember.engine.privileges import drop_to
+from ember.engine.privileges import blocked_for_others, drop_to, tenant_home
 from ember.engine.spec import REPLICA_SECRET_ENV, REPLICA_SECRET_HEADER
+from ember.loader.cache import tenant_cache_dir
 from ember.pools.backends.base import ReplicaHandle
-from ember.pools.backends.local import LocalProcessBackend, replica_environ
+from ember.pools.backends.local import replica_environ
+from tests import services
 from tests.api.conftest import ADMIN_KEY
-from tests.gateway.conftest import Live, deploy, live_api
+from tests.gateway.conftest import Live, deploy, live_api, replica_auth
 
 REDIS_URL = "redis://:hunter2-redis@127.0.0.1:6390/0"  # never reached: the API tolerates it
 JOBS_KEY = "ek_jobs-key-that-must-stay-in-the-api"
@@ -71,13 +79,6 @@ def _environ(pid: int) -> dict[str, str]:
     raw = Path(f"/proc/{pid}/environ").read_bytes()
     pairs = (e.split(b"=", 1) for e in raw.split(b"\0") if b"=" in e)
     return {k.decode(): v.decode() for k, v in pairs}
-
-
-def _uid(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("Uid:"):
-            return int(line.split()[1])
-    raise AssertionError("no Uid line")
 
 
 def test_the_replica_api_needs_its_secret_and_reveals_nothing(
@@ -195,13 +196,217 @@ def test_a_replica_uid_cannot_open_the_registry_or_another_tenants_cache(live: L
     assert _as_uid(another_tenant, targets) == []
 
 
+# --- the API as root, replicas as the tenant's uid (live) --------------------------------
+
+TENANT = "isolated"
+
+
+def _status(pid: int, task: int | None = None) -> dict[str, list[str]]:
+    """``/proc/<pid>/status`` (of one thread, ``task``): each line's fields by name."""
+    where = Path(f"/proc/{pid}") / (f"task/{task}" if task is not None else "")
+    lines = (line.split(":", 1) for line in (where / "status").read_text().splitlines())
+    return {name: value.split() for name, value in lines}
+
+
+def _uids(pid: int) -> list[int]:
+    """The process's real, effective, saved and filesystem uids (``/proc/<pid>/status``)."""
+    return [int(field) for field in _status(pid)["Uid"]]
+
+
+def _memlock(pid: int) -> str:
+    """The process's soft ``RLIMIT_MEMLOCK`` (``/proc/<pid>/limits``)."""
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max locked memory"):
+            return line.split()[3]
+    raise AssertionError("no Max locked memory line")
+
+
+def _replica_python() -> tuple[Path, Path | None]:
+    """An interpreter another user can start, for the API whose replicas run as the
+    tenants' uids, and the temporary directory made for it (None: this one will do).
+
+    Where this interpreter is under a directory others cannot traverse (pyenv's under a
+    0700 ``/root``, as on the CI machine), an overlay virtualenv is made on a system
+    Python of the same version (``/usr/bin/python3.X``, world-readable) in a 0755
+    temporary directory: a ``.pth`` file adds this virtualenv's site-packages (Ember's
+    editable install and its dependencies; same ABI), and its ``bin/ember`` is this one's
+    console script with the overlay's interpreter. Skips, saying why, where neither works."""
+    here = [Path(sys.executable).resolve(), Path(sys.base_prefix).resolve()]
+    if all(blocked_for_others(p) is None for p in here):
+        return Path(sys.executable), None
+    site_packages = Path(sysconfig.get_paths()["purelib"])
+    needed = [site_packages, Path(ember.__file__).resolve().parent]
+    for path in needed:
+        if (found := blocked_for_others(path)) is not None:
+            pytest.skip(f"{found} (on the way to {path}) is not traversable by other users")
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    system = next((Path(d) / version for d in ("/usr/bin", "/usr/local/bin")
+                   if (Path(d) / version).is_file()), None)  # fmt: skip
+    if system is None or blocked_for_others(system.parent) is not None:
+        pytest.skip(f"{sys.executable} is not traversable by other users and there is no "
+                    f"system {version} to make an overlay virtualenv with")  # fmt: skip
+    base = Path(tempfile.mkdtemp(prefix="ember-overlay-"))
+    base.chmod(0o755)
+    venv = base / "venv"
+    made = subprocess.run([str(system), "-m", "venv", "--without-pip", str(venv)],
+                          capture_output=True, text=True)  # fmt: skip
+    if made.returncode != 0:
+        shutil.rmtree(base, ignore_errors=True)
+        pytest.skip(f"{system} -m venv failed: {made.stderr.strip()[-500:]}")
+    python = venv / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; "
+                              "print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    # redis-py imports async-timeout before Python 3.11.3 (Debian's is 3.11.2), which the
+    # virtualenv (3.11.7) does not have: asyncio's own timeout is what it stands for
+    Path(purelib, "async_timeout.py").write_text("from asyncio import timeout\n")
+    Path(purelib, "ember-overlay.pth").write_text(
+        f"import site; site.addsitedir({str(site_packages)!r})\n"
+    )
+    script = Path(sys.executable).with_name("ember").read_text().splitlines()
+    assert script[0].startswith("#!"), script[0]
+    ember_script = venv / "bin" / "ember"
+    ember_script.write_text("\n".join([f"#!{python}", *script[1:]]) + "\n")
+    ember_script.chmod(0o755)
+    # what a replica's uid does first: start the interpreter and import the engine
+    uid = Settings().replica_uid_base
+    tried = subprocess.run(
+        [str(python), "-c", "import ember.cli, ember.engine.server, torch"],
+        capture_output=True, text=True, cwd="/", env={"PATH": os.environ.get("PATH", ""),
+        "PYTHONDONTWRITEBYTECODE": "1"}, preexec_fn=lambda: drop_to(uid, uid),
+    )  # fmt: skip
+    if tried.returncode != 0:
+        shutil.rmtree(base, ignore_errors=True)
+        pytest.skip(f"the overlay virtualenv does not start as uid {uid}: "
+                    f"{tried.stderr.strip()[-500:]}")  # fmt: skip
+    return python, base
+
+
+@pytest.fixture
+def root_api(open_data_dir: Path, secrets_env: None) -> Iterator[tuple[Live, Path, int]]:
+    """``ember serve`` as root, its interpreter one a replica's uid can start (an overlay
+    virtualenv where needed: ``_replica_python``), one standby process, and a client of
+    tenant ``TENANT``'s (a tenant other than the default); yields it and its log."""
+    if os.geteuid() != 0:
+        pytest.skip("the API runs as root here only")
+    python, overlay = _replica_python()
+    port = services.free_port()
+    env = {k: v for k, v in os.environ.items() if k != "EMBER_DATA_DIR"} | {
+        "EMBER_DATA_DIR": str(open_data_dir),
+        "EMBER_HOST": "127.0.0.1",
+        "EMBER_PORT": str(port),
+        "EMBER_STANDBY_REPLICAS": "1",
+        "EMBER_STANDBY_RESERVE_MAX_BYTES": "0",
+        "EMBER_REPLICA_USER": "auto",
+        "EMBER_LOG_FORMAT": "json",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONDONTWRITEBYTECODE": "1",  # leave the checkout's bytecode as it is
+    }
+    api_log = open_data_dir.parent / "api.log"
+    with api_log.open("wb") as out:
+        proc = subprocess.Popen([str(python.with_name("ember")), "serve"], env=env,
+                                cwd=open_data_dir.parent, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                         timeout=60)  # fmt: skip
+    client: httpx.Client | None = None
+    try:
+
+        def up() -> bool:
+            if proc.poll() is not None:
+                pytest.fail(f"ember serve exited {proc.returncode}:\n{api_log.read_text()}")
+            return admin.get("/readyz", timeout=2).status_code == 200
+
+        services.wait_until(up, 90, "ember serve")
+        assert admin.post("/v1/tenants", json={"name": TENANT}).status_code == 201
+        made = admin.post("/v1/keys", json={"name": TENANT, "tenant": TENANT})
+        assert made.status_code == 201, made.text
+        auth = {"Authorization": f"Bearer {made.json()['key']}"}
+        client = httpx.Client(base_url=url, timeout=60, headers=auth)
+        store = open_data_dir / "objects" / "artifacts" / TENANT
+        yield Live(url, client, store), api_log, proc.pid
+    finally:
+        if client is not None:
+            client.close()
+        pids = {int(p) for p in _children(proc.pid)}
+        proc.terminate()
+        try:
+            proc.wait(60)  # the API stops its replicas on the way out
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        admin.close()
+        if overlay is not None:
+            shutil.rmtree(overlay, ignore_errors=True)
+
+
+def _children(pid: int) -> list[str]:
+    """The processes ``pid`` started (its replicas: each in a session of its own)."""
+    found = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        with contextlib.suppress(OSError):
+            for line in status.read_text().splitlines():
+                if line.startswith("PPid:") and int(line.split()[1]) == pid:
+                    found.append(status.parent.name)
+    return found
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="the API runs as root here only")
-def test_replicas_run_as_the_tenants_uid_where_the_api_is_root(live: Live) -> None:
-    backend = LocalProcessBackend(Settings(data_dir=live.store.parent))
-    blocked = backend._blocked()
-    if blocked is not None:  # e.g. an interpreter under /root: replicas run as root, warned
-        pytest.skip(f"{blocked} is not traversable by other users on this machine")
-    live.register("mlp", "1")
-    deploy(live, "mlp")
-    pid = _replica(live, "mlp")["pid"]
-    assert _uid(pid) == Settings().replica_uid_base + 1
+def test_replicas_run_as_the_tenants_uid_where_the_api_is_root(
+    root_api: tuple[Live, Path, int], open_data_dir: Path
+) -> None:
+    """A replica started for a version and a standby process assigned one both run as the
+    tenant's uid (real, effective, saved; every thread, no groups, no capabilities), not
+    root, and serve; the registry is not theirs."""
+    live, api_log, api_pid = root_api
+    admin = httpx.Client(base_url=live.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+
+    def logs() -> str:
+        replicas = sorted((open_data_dir / "replicas").glob("*.log"))
+        tails = [f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in replicas]
+        return "\n".join([f"--- api.log\n{api_log.read_text(errors='replace')[-4000:]}", *tails])
+
+    with admin:
+        standby = 'deployment="(standby)",state="standby"'
+        live.wait(lambda: standby in admin.get("/metrics").text, "a ready standby process")
+        live.register("mlp", "1")
+        # two hot replicas: one takes the ready standby process, the other starts cold
+        try:
+            deploy(live, "mlp", min_hot=2, max_replicas=2)
+        except RuntimeError as exc:
+            pytest.fail(f"{exc}\n{live.replicas('mlp')}\n{logs()}")
+    events = live.events("mlp")
+    tenant_id = events[0]["tenant_id"]
+    assert tenant_id >= 2 and {e["tenant_id"] for e in events} == {tenant_id}  # not the default
+    uid = Settings().replica_uid_base + tenant_id
+    assigned = {e["replica_id"] for e in events if e["event"] == "assigned"}
+    cold = {e["replica_id"] for e in events if e["event"] == "starting"}
+    assert len(assigned) == 1 and len(cold) == 1, events
+    ready = {r["replica_id"]: r for r in live.ready("mlp")}
+    assert set(ready) == assigned | cold, (ready, events)
+    for replica in ready.values():
+        pid = replica["pid"]
+        assert _uids(pid) == [uid] * 4, (replica, logs())
+        for task in Path(f"/proc/{pid}/task").iterdir():  # every thread: none kept root
+            status = _status(pid, int(task.name))
+            assert status["Uid"] == status["Gid"] == [str(uid)] * 4, (task, status)
+            assert status.get("Groups", []) == [] and int(status["CapEff"][0], 16) == 0
+        # the loader's mlock limit: lifted where the host lets root lift it, never lowered
+        assert _memlock(pid) in ("unlimited", _memlock(api_pid)), _memlock(pid)
+        answer = httpx.post(f"{replica['url']}/infer", headers=replica_auth(replica),
+                            json={"instances": [[0.5] * 256]}, timeout=60)  # fmt: skip
+        assert answer.status_code == 200, answer.text
+    for _ in range(4):  # the gateway reaches both
+        assert live.predict("mlp").status_code == 200
+    # the registry is root's alone: a replica's uid cannot open it
+    registry = (open_data_dir / "registry.db").stat()
+    assert registry.st_uid == 0 and registry.st_mode & 0o077 == 0
+    # the tenant's cache and home are its uid's; its entry was filled by the replicas
+    settings = Settings(data_dir=open_data_dir)
+    cache = tenant_cache_dir(settings.weight_cache_dir, tenant_id)
+    assert cache.stat().st_uid == uid and list(cache.glob("v1/*/*/*/weights.safetensors"))
+    assert tenant_home(open_data_dir, tenant_id).stat().st_uid == uid
