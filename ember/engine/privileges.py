@@ -1,9 +1,9 @@
 """Dropping a replica's privileges: root becomes a tenant's unprivileged uid, for good.
 
-The local backend starts a tenant's replica as that uid (``drop_to`` before ``exec``), and a
+The local backend starts a tenant's replica as that uid (``Popen(user=...)``), and a
 standby process, started as root before anyone knew its tenant, calls ``drop_to`` on
 ``/assign`` before it reads anything of the version. Torch-free (the control plane's
-backend calls it in the child it forks).
+backend imports it).
 """
 
 from __future__ import annotations

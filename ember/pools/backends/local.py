@@ -26,7 +26,7 @@ from typing import Any
 
 import ember
 from ember.config import Settings
-from ember.engine.privileges import blocked_for_others, drop_to, tenant_home
+from ember.engine.privileges import blocked_for_others, raise_memlock, tenant_home
 from ember.engine.spec import REPLICA_SECRET_ENV
 from ember.loader.cache import tenant_cache_dir
 from ember.logs import get_logger
@@ -99,6 +99,15 @@ def _private_dir(path: Path, owner: tuple[int, int] | None) -> Path:
     return path
 
 
+def _as_user(user: tuple[int, int] | None) -> dict[str, Any]:
+    """``Popen`` arguments that start the child as ``uid:gid`` with no supplementary
+    groups: the drop happens in the forked child without running Python there (a
+    ``preexec_fn`` may deadlock in a threaded parent, which the API is)."""
+    if user is None:
+        return {}
+    return {"user": user[0], "group": user[1], "extra_groups": []}
+
+
 class LocalProcessBackend(ReplicaBackend):
     def __init__(self, settings: Settings, extra_env: dict[str, str] | None = None) -> None:
         self.settings = settings
@@ -108,6 +117,8 @@ class LocalProcessBackend(ReplicaBackend):
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._lock_down()
         self.users = self._replica_users()
+        if self.users is not None:
+            raise_memlock()  # while root: the replicas inherit it (the loader mlocks weights)
         """Tenant id → (uid, gid) its replicas run as; None: the API's own user."""
 
     # --- who a replica runs as --------------------------------------------------------
@@ -194,7 +205,6 @@ class LocalProcessBackend(ReplicaBackend):
         owner = self.user_of(tenant_id)
         home = _private_dir(tenant_home(self.settings.data_dir, tenant_id), owner)
         cache = tenant_cache_dir(self.settings.weight_cache_dir, tenant_id)
-        self.settings.weight_cache_dir.mkdir(parents=True, exist_ok=True)
         return home, _private_dir(cache, owner)
 
     # --- the process ------------------------------------------------------------------
@@ -251,8 +261,7 @@ class LocalProcessBackend(ReplicaBackend):
         with os.fdopen(fd, "ab") as out:
             proc = subprocess.Popen(
                 cmd, env=env, cwd=home, stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
-                preexec_fn=(lambda: drop_to(*user)) if user is not None else None,
+                stdin=subprocess.DEVNULL, start_new_session=True, **_as_user(user),
             )  # fmt: skip
         self.procs[replica_id] = proc
         log.info("replica launched", replica_id=replica_id, pid=proc.pid, port=port,
