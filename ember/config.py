@@ -12,7 +12,7 @@ from difflib import get_close_matches
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -50,9 +50,10 @@ class Settings(BaseSettings):
     """Redis for the job queue and shared caches. Unset: ``ember up`` starts a local one."""
     local_redis_port: int = Field(6390, ge=1, le=65535)
     """Port on ``127.0.0.1`` of the data directory's own Redis that ``ember up`` starts
-    when ``EMBER_REDIS_URL`` is unset. Set: tried first; unset: the port that Redis had
-    last time (``<data_dir>/redis/port``), else 6390. Taken by anything but this data
-    directory's Redis (another data directory's, say): a free port instead."""
+    when ``EMBER_REDIS_URL`` is unset (one already running for the data directory is used
+    where it is). Set: tried first; unset: the port that Redis had last time
+    (``<data_dir>/redis/port``), else 6390. Taken by anything but this data directory's
+    Redis (another data directory's, say): a free port instead."""
 
     object_store_url: str | None = None
     """Where ``ember models push`` puts artifacts (``file://`` or ``s3://bucket/prefix``).
@@ -351,8 +352,6 @@ class Settings(BaseSettings):
     def _env_names(cls, value: object) -> object:
         return _split_csv(value)
 
-    # --- data confinement: tenant prefixes in the stores (issue 20 §4) ---
-
     # --- quotas and rate limits (issue 20 §6) ---
     # Each is the default of one per-tenant quota (``PATCH /v1/tenants/{name}`` overrides it).
     # The queued-jobs quota's default is ``EMBER_JOBS_TENANT_MAX_QUEUED_JOBS`` (async jobs).
@@ -487,7 +486,7 @@ class Settings(BaseSettings):
         roots = list(self.file_roots)
         store = urlparse(self.store_url)
         if store.scheme == "file":
-            roots.insert(0, Path(store.path).resolve())
+            roots.insert(0, Path(unquote(store.path)).resolve())  # as_uri() quotes
         return roots
 
     @property

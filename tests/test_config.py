@@ -62,3 +62,9 @@ def test_unknown_ember_variables_are_refused(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.delenv("EMBER_PROT")
     monkeypatch.setenv("EMBER_API_KEY", "client-side")
     assert get_settings().port == 8000
+
+
+def test_a_data_dir_with_a_space_is_its_own_file_root(tmp_path: Path) -> None:
+    """The object store's URI is quoted (``as_uri``); its file root is the decoded path."""
+    settings = Settings(data_dir=tmp_path / "my data")
+    assert settings.allowed_file_roots[0] == (tmp_path / "my data" / "objects").resolve()
