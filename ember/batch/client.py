@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from ember.batch.datasets import Memo
-from ember.engine.spec import REPLICA_SECRET_HEADER
 from ember.loader.stores import ObjectInfo
 from ember.logs import get_logger
+from ember.pools.backends.base import replica_auth
 
 log = get_logger(__name__)
 
@@ -122,11 +122,6 @@ class GatewayClient:
             conn.close()
 
 
-def _auth(secret: str) -> dict[str, str]:
-    """The header that authenticates a call to a replica's API (none without a secret)."""
-    return {REPLICA_SECRET_HEADER: secret} if secret else {}
-
-
 @dataclass(eq=False)
 class Target:
     """A replica of the lane: where to post, and what this worker has in flight there."""
@@ -137,8 +132,6 @@ class Target:
     """Instances the batch class may keep in flight to it."""
     client: GatewayClient
     inflight: int = 0
-    secret: str = field(default="", repr=False)
-    """The replica API's secret (its client sends it on every call)."""
 
 
 @dataclass(eq=False)
@@ -214,15 +207,15 @@ class Lane:
             for r in replicas:
                 try:
                     rid, url, window = str(r["id"]), str(r["url"]), int(str(r["window"]))
-                    secret = str(r.get("secret") or "")
+                    auth = replica_auth(str(r.get("secret") or ""))  # its client sends it
                     target = old.get(rid)
-                    if target is None or target.url != url or target.secret != secret:
+                    if target is None or target.url != url or target.client.headers != auth:
                         client = self.clients.get(url)
-                        if client is None or client.headers != _auth(secret):
+                        if client is None or client.headers != auth:
                             if client is not None:
                                 client.close()
-                            client = self.clients[url] = GatewayClient(url, _auth(secret))
-                        target = Target(rid, url, window, client, secret=secret)
+                            client = self.clients[url] = GatewayClient(url, auth)
+                        target = Target(rid, url, window, client)
                 except (KeyError, TypeError, ValueError):
                     continue
                 target.window = max(1, window)

@@ -5,8 +5,9 @@ JSON value) or Parquet, chosen by extension (``.jsonl``/``.json``/``.ndjson``, `
 ``.parquet``/``.pq``) or by the spec's ``format``. An input URI may contain glob
 characters (``*``, ``[...]``; ``?`` is a URI's query, refused) in its last path segments;
 ``file://`` and ``s3://`` are listed through the object stores of ``ember.loader.stores``
-(same access limits: with a tenant, its prefixes only; an object listed that the store
-would not read as listed — a link out, a key with ``..`` — is left out).
+(same access limits; an object listed that the store would not read as listed — a link
+out, a key with ``..`` — is left out). A tenant key's URIs are confined to its prefixes
+when the spec is checked (``check_spec_uris``).
 
 A row that cannot be parsed is still a row: it is counted when the run is planned and
 rejected with its reason when its shard runs, so row numbers never shift.
@@ -69,13 +70,10 @@ def detect_format(uri: str, wanted: str) -> str:
     )
 
 
-def list_inputs(
-    settings: Settings, pattern: str, max_files: int, tenant: str | None = None
-) -> list[ObjectInfo]:
-    """The objects ``pattern`` names (sorted by URI); an error if there are none. With
-    ``tenant``, only under that tenant's prefixes."""
+def list_inputs(settings: Settings, pattern: str, max_files: int) -> list[ObjectInfo]:
+    """The objects ``pattern`` names (sorted by URI); an error if there are none."""
     parse_location(pattern)
-    store = open_store(pattern, settings, tenant=tenant, area="batch")
+    store = open_store(pattern, settings)
     if not any(c in pattern for c in GLOB_CHARS):
         return [store.stat(pattern)]
     scheme_end = pattern.index("://") + 3
@@ -124,10 +122,10 @@ def _readable_as_listed(store: S3Store, uri: str) -> bool:
     return True
 
 
-def read_object(settings: Settings, info: ObjectInfo, tenant: str | None = None) -> bytes:
+def read_object(settings: Settings, info: ObjectInfo) -> bytes:
     if info.size > MAX_FILE_BYTES:
         raise PayloadTooLarge(f"{info.uri} is {info.size} bytes; one input file may be 2 GiB")
-    store = open_store(info.uri, settings, tenant=tenant, area="batch")
+    store = open_store(info.uri, settings)
     return b"".join(store.iter_chunks(info.uri, etag=info.etag))
 
 
@@ -670,11 +668,11 @@ def put(settings: Settings, uri: str, write: Any) -> None:
         Path(tmp).unlink(missing_ok=True)
 
 
-def check_readable(settings: Settings, uri: str, tenant: str | None = None) -> None:
-    """An output prefix the store accepts (scheme, roots, buckets; with ``tenant``, that
-    tenant's prefixes), checked without reading anything."""
+def check_readable(settings: Settings, uri: str) -> None:
+    """An output prefix the store accepts (scheme, roots, buckets), checked without
+    reading anything."""
     try:
-        check_location(uri.rstrip("/") + "/x", settings, tenant=tenant, area="batch")
+        check_location(uri.rstrip("/") + "/x", settings)
     except LoaderError as exc:
         raise InvalidInput(exc.detail) from exc
 

@@ -167,7 +167,7 @@ class FileStore(ObjectStore):
         path = Path(location.path)
         if self.prefixes is not None:
             for prefix in self.prefixes:
-                if path == prefix or prefix in path.parents:
+                if _under(path, prefix):
                     real = resolve_path(path, fence=prefix)
                     if real is not None:
                         return real
@@ -177,7 +177,7 @@ class FileStore(ObjectStore):
                 else StoreAccessDenied(f"{shown(uri)} is outside the allowed prefixes")
             )
         real = resolve_path(path, fenced=self.fenced)
-        if real is None or not any(real == r or r in real.parents for r in self.roots):
+        if real is None or not any(_under(real, r) for r in self.roots):
             raise StoreAccessDenied(
                 f"{shown(uri)} resolves outside the allowed file roots (the object store "
                 "and EMBER_FILE_ROOTS), or through a link out of its tenant's directory"
@@ -298,10 +298,7 @@ class S3Store(ObjectStore):
             raise StoreAccessDenied(f"{shown(uri)} is not an s3://bucket/key URI")
         bucket, parts = location.bucket, location.segments
         if self.prefixes is not None:
-            if not any(
-                bucket == b and len(parts) > len(p) and parts[: len(p)] == p
-                for b, p in self.prefixes
-            ):
+            if not any(_s3_under(bucket, parts, p) for p in self.prefixes):
                 raise (
                     self._denied(uri)
                     if self._denied is not None
@@ -568,11 +565,10 @@ def parse_location(uri: str) -> Location:
             plain = unquote(segment, errors="strict")
         except UnicodeDecodeError as exc:
             raise StoreAccessDenied(f"{shown(uri)} has a percent escape that is not UTF-8") from exc
-        for text in (segment, plain):
-            if text in ("", ".", ".."):
-                raise StoreAccessDenied(
-                    f"{shown(uri)} must not contain empty, '.' or '..' path segments"
-                )
+        if plain in ("", ".", ".."):  # as written or percent-encoded
+            raise StoreAccessDenied(
+                f"{shown(uri)} must not contain empty, '.' or '..' path segments"
+            )
         if "/" in plain or "\\" in plain or _CONTROL.search(plain):
             raise StoreAccessDenied(
                 f"{shown(uri)} must not encode '/', a backslash or a control character"
@@ -596,7 +592,7 @@ def resolve_path(
     if fence is not None:
         if Path(os.path.realpath(fence)) != fence:  # the fence itself: no link on the way
             return None
-        if not (path == fence or fence in path.parents):
+        if not _under(path, fence):
             return None
         current = fence
         pending = list(reversed(path.relative_to(fence).parts))
@@ -652,8 +648,7 @@ def resolve_path(
 def _partitions(settings: Settings) -> Callable[[Path], bool]:
     """Whether a (real) directory is one tenant's part of a store: ``<store>/<area>/<x>``
     of a ``file://`` object store, ``<root>/<x>`` of an extra file root."""
-    store = urlsplit(settings.store_url)
-    store_root = Path(os.path.realpath(unquote(store.path))) if store.scheme == "file" else None
+    store_root = _file_store_root(settings)
     extra = {Path(os.path.realpath(r)) for r in settings.file_roots}
 
     def fenced(path: Path) -> bool:
@@ -662,8 +657,24 @@ def _partitions(settings: Settings) -> Callable[[Path], bool]:
     return fenced
 
 
+def _file_store_root(settings: Settings) -> Path | None:
+    """The ``file://`` object store's directory (its real path); None for S3."""
+    store = urlsplit(settings.store_url)
+    return Path(os.path.realpath(unquote(store.path))) if store.scheme == "file" else None
+
+
+def _under(path: Path, prefix: Path) -> bool:
+    return path == prefix or prefix in path.parents
+
+
+def _s3_under(bucket: str, parts: tuple[str, ...], prefix: tuple[str, tuple[str, ...]]) -> bool:
+    """Whether ``s3://bucket/<parts>`` lies strictly below ``prefix`` (bucket, key segments)."""
+    in_bucket, keys = prefix
+    return bucket == in_bucket and len(parts) > len(keys) and parts[: len(keys)] == keys
+
+
 def _overlaps(a: Path, b: Path) -> bool:
-    return a == b or a in b.parents or b in a.parents
+    return _under(a, b) or _under(b, a)
 
 
 def _file_prefixes(settings: Settings, tenant: str, area: Area) -> list[Path]:
@@ -671,8 +682,7 @@ def _file_prefixes(settings: Settings, tenant: str, area: Area) -> list[Path]:
     root, leaving out one that overlaps what no tenant may read (the data directory, the
     weight cache, the object store, the prediction log, another root)."""
     found: list[Path] = []
-    store = urlsplit(settings.store_url)
-    store_root = Path(os.path.realpath(unquote(store.path))) if store.scheme == "file" else None
+    store_root = _file_store_root(settings)
     if store_root is not None:
         found.append(store_root / area / tenant)
     extra = [Path(os.path.realpath(r)) for r in settings.file_roots]
@@ -689,7 +699,7 @@ def _file_prefixes(settings: Settings, tenant: str, area: Area) -> list[Path]:
         prefix = root / tenant
         if any(_overlaps(prefix, p) for p in private):
             continue
-        if any(o != root and (o == prefix or prefix in o.parents) for o in extra):
+        if any(o != root and _under(o, prefix) for o in extra):
             continue
         found.append(prefix)
     return found
@@ -743,11 +753,10 @@ def under_tenant_prefix(
         return False
     if location.scheme == "file":
         path = Path(location.path)
-        return any(path == p or p in path.parents for p in _file_prefixes(settings, tenant, area))
-    parts = location.segments
+        return any(_under(path, p) for p in _file_prefixes(settings, tenant, area))
     return any(
-        location.bucket == b and len(parts) > len(p) and parts[: len(p)] == p
-        for b, p in _s3_prefixes(settings, tenant, area)
+        _s3_under(location.bucket, location.segments, p)
+        for p in _s3_prefixes(settings, tenant, area)
     )
 
 

@@ -433,9 +433,8 @@ class PoolsController:
             pins: dict[tuple[int, str], set[str]] = {}
             for run in session.exec(select(BatchRun).where(BatchRun.status == "running")):
                 pins.setdefault((run.tenant_id, run.deployment), set()).add(run.version)
-            self.metrics.tenant_names = {
-                t.id: t.name for t in session.exec(select(Tenant)) if t.id is not None
-            }
+            tenants = {t.id: t for t in session.exec(select(Tenant)) if t.id is not None}
+            self.metrics.tenant_names = {i: t.name for i, t in tenants.items()}
             for d in session.exec(select(Deployment)):
                 model = session.get(Model, d.model_id)
                 if model is None:
@@ -452,7 +451,7 @@ class PoolsController:
                     )
                     if r.status is VersionStatus.ready
                 ]
-                tenant = session.get(Tenant, d.tenant_id)  # trusted: replicas skip code checks
+                tenant = tenants.get(d.tenant_id)  # trusted: replicas skip code checks
                 trusted = {"trusted": bool(tenant is not None and tenant.trusted)}
                 specs = {
                     r.version: catalog.version_spec(model, r, self.hardware) | trusted for r in rows
@@ -594,7 +593,7 @@ class PoolsController:
         replica (the autoscaler keeps it warm for a while, then not at all) until a
         request wakes it."""
         policy = view.policy
-        floor = policy.min_hot if policy.scale_to_zero else max(policy.min_hot, 1)
+        floor = policy.hot_floor
         key = (view.tenant_id, view.name)
         production = view.production
         now = time.monotonic()

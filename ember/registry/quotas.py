@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from sqlalchemy import func
-from sqlmodel import Session, col, select
+from sqlmodel import Session, SQLModel, col, select
 
 from ember.config import Settings
 from ember.errors import BackPressure, QuotaExceeded
@@ -108,7 +108,7 @@ def worst_replicas(
 ) -> int:
     """The most replicas the pools controller may give a deployment (mirrors
     ``PoolsController.desired`` and the autoscaler's ``max_replicas`` cap)."""
-    floor = policy.min_hot if policy.scale_to_zero else max(policy.min_hot, 1)
+    floor = policy.hot_floor
     total = 0
     routed = [v for v, weight in traffic.items() if weight > 0]
     for version in routed:
@@ -173,13 +173,14 @@ def inline_bytes(instances: list[Any]) -> int:
     return len(json.dumps(instances, separators=(",", ":")).encode())
 
 
+def _count(session: Session, table: type[SQLModel], *where: Any) -> int:
+    """The rows of ``table`` matching ``where``."""
+    return int(session.exec(select(func.count()).select_from(table).where(*where)).one())
+
+
 def check_jobs(session: Session, limits: Limits, tenant_id: int, input_bytes: int) -> None:
     """Queued jobs (429) and stored job bytes (403) for one more job."""
-    queued = session.exec(
-        select(func.count())
-        .select_from(Job)
-        .where(Job.tenant_id == tenant_id, col(Job.status).in_(UNFINISHED_JOBS))
-    ).one()
+    queued = _count(session, Job, Job.tenant_id == tenant_id, col(Job.status).in_(UNFINISHED_JOBS))
     if queued + 1 > limits.queued_jobs:
         raise BackPressure(
             f"quota queued_jobs exceeded: tenant {limits.tenant!r} has {queued} unfinished "
@@ -210,11 +211,9 @@ def check_jobs(session: Session, limits: Limits, tenant_id: int, input_bytes: in
 
 def check_batch_runs(session: Session, limits: Limits, tenant_id: int) -> None:
     """Batch runs in flight (429) for one more run."""
-    running = session.exec(
-        select(func.count())
-        .select_from(BatchRun)
-        .where(BatchRun.tenant_id == tenant_id, BatchRun.status == "running")
-    ).one()
+    running = _count(
+        session, BatchRun, BatchRun.tenant_id == tenant_id, BatchRun.status == "running"
+    )
     if running + 1 > limits.batch_runs:
         raise BackPressure(
             f"quota batch_runs exceeded: tenant {limits.tenant!r} has {running} batch runs "

@@ -291,6 +291,12 @@ class PoolPolicy(Input):
         "(on the local backend too).",
     )
 
+    @property
+    def hot_floor(self) -> int:
+        """Hot replicas the pools controller keeps at least: ``min_hot``, and at least one
+        unless the deployment opted out (``scale_to_zero``)."""
+        return self.min_hot if self.scale_to_zero else max(self.min_hot, 1)
+
     @field_validator("safe_default")
     @classmethod
     def _small_default(cls, value: Any) -> Any:

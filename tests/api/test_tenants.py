@@ -46,3 +46,13 @@ def test_bad_tenant_updates_are_problems(api: Api) -> None:
         assert response.status_code == 422, (body, response.text)
     assert api.admin.patch("/v1/tenants/nobody", json={"trusted": True}).status_code == 404
     assert api.admin.patch("/v1/tenants/Bad..Name", json={}).status_code == 422
+
+
+def test_a_new_tenant_can_be_acted_for_at_once_though_it_was_refused_before(api: Api) -> None:
+    """Acting for a tenant that does not exist yet is refused, and the refusal is cached;
+    creating the tenant drops it, so the admin acts for it at once (not 5 s later)."""
+    headers = {"X-Ember-Tenant": "later"}
+    assert api.admin.get("/v1/deployments", headers=headers).status_code == 404
+    assert api.admin.post("/v1/tenants", json={"name": "later"}).status_code == 201
+    acting = api.admin.get("/v1/deployments", headers=headers)
+    assert acting.status_code == 200, acting.text

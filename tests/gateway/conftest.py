@@ -104,16 +104,21 @@ def deploy(live: Live, model: str, version: str = "1", **policy: Any) -> None:
     live.wait(lambda: len(live.ready(model)) >= want, f"{want} ready replicas of {model}")
 
 
+def process_environ(pid: int) -> dict[str, str]:
+    """The environment process ``pid`` was started with (``/proc/<pid>/environ``, as the
+    API's user may read a replica's)."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    pairs = (e.split(b"=", 1) for e in raw.split(b"\0") if b"=" in e)
+    return {k.decode(): v.decode() for k, v in pairs}
+
+
 def replica_auth(replica: dict[str, Any]) -> dict[str, str]:
     """The header that authenticates a call to a live replica's API (its secret, read from
-    its environment as the API's user may: ``/proc/<pid>/environ``)."""
-    from ember.engine.spec import REPLICA_SECRET_ENV, REPLICA_SECRET_HEADER
+    its environment)."""
+    from ember.engine.spec import REPLICA_SECRET_ENV
+    from ember.pools.backends.base import replica_auth as auth
 
-    prefix = REPLICA_SECRET_ENV.encode() + b"="
-    for entry in Path(f"/proc/{replica['pid']}/environ").read_bytes().split(b"\0"):
-        if entry.startswith(prefix):
-            return {REPLICA_SECRET_HEADER: entry[len(prefix) :].decode()}
-    return {}
+    return auth(process_environ(replica["pid"]).get(REPLICA_SECRET_ENV, ""))
 
 
 def since(t0: float) -> float:

@@ -318,8 +318,7 @@ def test_webhooks_never_reach_private_addresses(platform: Platform, tmp_path: Pa
         session.add(row)
     no_private = platform.settings.model_copy(update={"jobs_webhook_allow_private": False})
     publisher = Publisher(no_private)
-    with httpx.Client() as http:
-        outcome = webhooks.deliver(engine, no_private, publisher, row.uid, job_document, http)
+    outcome = webhooks.deliver(engine, no_private, publisher, row.uid, job_document)
     publisher.close()
     assert outcome == "refused"
     assert "non-public" in platform.job(row.uid)["webhook"]["error"]

@@ -26,9 +26,11 @@ from ember.api.app import create_app
 from ember.batch import datasets
 from ember.config import Settings
 from ember.errors import StoreAccessDenied
+from ember.loader import stores
 from tests import services
 from tests.api.conftest import ADMIN_KEY, MLP, Api
-from tests.api.conftest import api as api  # the fixture
+from tests.api.conftest import api as api  # the fixtures
+from tests.api.conftest import store_dir as store_dir
 from tests.artifacts import write_valid
 
 DENIED = "https://ember.dev/problems/store-access-denied"
@@ -38,13 +40,6 @@ INVALID = "https://ember.dev/problems/invalid-input"
 @pytest.fixture
 def registry_url(data_dir: Path) -> str:
     return f"sqlite:///{data_dir / 'registry.db'}"
-
-
-@pytest.fixture
-def store_dir(data_dir: Path) -> Path:
-    path = data_dir / "objects"
-    path.mkdir(exist_ok=True)
-    return path
 
 
 @pytest.fixture
@@ -347,20 +342,18 @@ def test_batch_uris_cannot_leave_their_prefix(
         f"{prefix}/elsewhere/out",
         (store_dir / "batch" / "alice" / "out").as_uri(),
     ]
-    for i, uri in enumerate(outputs):
-        answer = schedule(f"out{i}", output_uri=uri)
-        refused(answer, INVALID)
-        no_server_path(answer, api.settings, uri, f"{prefix}/in.jsonl")
     inputs = [
         f"{prefix}/in-?.jsonl",
         f"{prefix}/..#/alice/in.jsonl",
         f"{prefix}/elsewhere/in.jsonl",
         (store_dir / "batch" / "alice" / "in.jsonl").as_uri(),
     ]
-    for i, uri in enumerate(inputs):
-        answer = schedule(f"in{i}", input_uri=uri)
+    cases = [("output_uri", u) for u in outputs] + [("input_uri", u) for u in inputs]
+    for i, (field, uri) in enumerate(cases):
+        uris = {"input_uri": f"{prefix}/in.jsonl", "output_uri": f"{prefix}/out", field: uri}
+        answer = schedule(f"s{i}", **uris)
         refused(answer, INVALID)
-        no_server_path(answer, api.settings, uri, f"{prefix}/out")
+        no_server_path(answer, api.settings, *uris.values())
     own = schedule("own")
     assert own.status_code == 201, own.text
     assert alice.get("/v1/batch/schedules").json()["items"] == []
@@ -381,6 +374,18 @@ def test_each_part_lands_in_its_own_object(tmp_path: Path) -> None:
         datasets.write_bytes(settings, f"{out}/br_1/part-{n:05d}.jsonl", f"{n}".encode())
     parts = sorted((settings.data_dir / "objects" / "batch" / "bob" / "out" / "br_1").iterdir())
     assert [p.read_text() for p in parts] == ["0", "1"]
+
+
+def test_an_extra_root_that_holds_server_data_gives_no_tenant_that_part(tmp_path: Path) -> None:
+    """An extra file root above the data directory: the tenant named like the data
+    directory gets no prefix there (it would read the registry and the weight cache)."""
+    settings = Settings(data_dir=tmp_path / "ember", file_roots=[tmp_path])
+    assert (tmp_path / "bob").as_uri() + "/" in stores.tenant_prefixes(settings, "bob")
+    assert (tmp_path / "ember").as_uri() + "/" not in stores.tenant_prefixes(settings, "ember")
+    registry = (tmp_path / "ember" / "registry.db").as_uri()
+    with pytest.raises(StoreAccessDenied):
+        stores.check_location(registry, settings, tenant="ember")
+    stores.check_location(registry, settings)  # the operator's own rule is unchanged
 
 
 # --- the S3 store -------------------------------------------------------------------------

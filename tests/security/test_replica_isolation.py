@@ -33,7 +33,7 @@ from ember.pools.backends.base import ReplicaHandle
 from ember.pools.backends.local import replica_environ
 from tests import services
 from tests.api.conftest import ADMIN_KEY
-from tests.gateway.conftest import Live, deploy, live_api, replica_auth
+from tests.gateway.conftest import Live, deploy, live_api, process_environ, replica_auth
 
 REDIS_URL = "redis://:hunter2-redis@127.0.0.1:6390/0"  # never reached: the API tolerates it
 JOBS_KEY = "ek_jobs-key-that-must-stay-in-the-api"
@@ -75,12 +75,6 @@ def _replica(live: Live, deployment: str) -> dict[str, Any]:
     return ready[0]
 
 
-def _environ(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes()
-    pairs = (e.split(b"=", 1) for e in raw.split(b"\0") if b"=" in e)
-    return {k.decode(): v.decode() for k, v in pairs}
-
-
 def test_the_replica_api_needs_its_secret_and_reveals_nothing(
     live: Live, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -89,7 +83,7 @@ def test_the_replica_api_needs_its_secret_and_reveals_nothing(
     replica = _replica(live, "mlp")
     url, pid = replica["url"], replica["pid"]
     assert url.startswith("http://127.0.0.1:")  # bound to loopback
-    secret = _environ(pid).get(REPLICA_SECRET_ENV, "")
+    secret = process_environ(pid).get(REPLICA_SECRET_ENV, "")
     assert len(secret) >= 40  # secrets.token_urlsafe(32)
     spec = live.client.get("/v1/models/mlp/versions/1").json()
     calls = [
@@ -130,7 +124,7 @@ def test_the_replica_api_needs_its_secret_and_reveals_nothing(
 def test_a_replica_inherits_no_platform_secret(live: Live) -> None:
     live.register("mlp", "1")
     deploy(live, "mlp")
-    env = _environ(_replica(live, "mlp")["pid"])
+    env = process_environ(_replica(live, "mlp")["pid"])
     for name in ("EMBER_ADMIN_KEY", "EMBER_DATABASE_URL", "EMBER_REDIS_URL",
                  "EMBER_JOBS_API_KEY", "AWS_SECRET_ACCESS_KEY", "SOME_OTHER_TOKEN"):  # fmt: skip
         assert name not in env, name
@@ -150,6 +144,28 @@ def test_the_allowlist_never_passes_a_denied_name() -> None:
     assert plain == {"PATH": "/bin", "EMBER_LOG_LEVEL": "INFO", "EMBER_CACHE_DIR": "/c",
                      "LC_ALL": "C", "MY_VAR": "x"}  # fmt: skip
     assert replica_environ(environ, s3=True)["AWS_ACCESS_KEY_ID"] == "a"
+
+
+def test_a_batch_lane_sends_each_replica_its_secret() -> None:
+    """The worker's direct lane: each target's client carries its replica's secret, and a
+    replica named again with a new secret (same id and address) gets a new client."""
+    from ember.batch.client import GatewayClient, Lane
+
+    lane = Lane(GatewayClient("http://127.0.0.1:1", {}), "acme", "m", "1")
+    try:
+        lane._adopt([{"id": "a", "url": "http://127.0.0.1:4", "secret": "s1", "window": 8}])
+        first = lane.targets[0]
+        assert first.client.headers == {REPLICA_SECRET_HEADER: "s1"}
+        lane._adopt([{"id": "a", "url": "http://127.0.0.1:4", "secret": "s1", "window": 8}])
+        assert lane.targets == [first]  # the same target: nothing changed
+        lane._adopt([{"id": "a", "url": "http://127.0.0.1:4", "secret": "s2", "window": 8}])
+        (second,) = lane.targets
+        assert second is not first and second.client is not first.client
+        assert second.client.headers == {REPLICA_SECRET_HEADER: "s2"}
+        lane._adopt([{"id": "b", "url": "http://127.0.0.1:5", "window": 8}])
+        assert lane.targets[0].client.headers == {}  # a replica without a secret
+    finally:
+        lane.close()
 
 
 def _as_uid(uid: int, attempt: list[Path]) -> list[str]:

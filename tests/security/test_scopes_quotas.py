@@ -63,13 +63,13 @@ def new_key(api: Api, tenant: str, scope: str = "tenant") -> dict[str, Any]:
     return dict(created.json())
 
 
-def register(api: Api, store: Path, tenant: str, model: str = "clf") -> None:
-    """A ready version ``model:1`` of ``tenant`` (made if need be)."""
+def register(api: Api, store: Path, tenant: str, model: str = "clf", version: str = "1") -> None:
+    """A ready version ``model:version`` of ``tenant`` (made if need be)."""
     api.admin.post("/v1/tenants", json={"name": tenant})
     with as_tenant(api, tenant) as admin:
         admin.post("/v1/models", json={"name": model})
-        path = write_valid(store / tenant / model / "1" / "model.safetensors")
-        body = {"version": "1", "artifact_uri": path.as_uri(), "engine": "torch",
+        path = write_valid(store / tenant / model / version / "model.safetensors")
+        body = {"version": version, "artifact_uri": path.as_uri(), "engine": "torch",
                 "engine_config": MLP}  # fmt: skip
         created = admin.post(f"/v1/models/{model}/versions", json=body)
         assert created.status_code == 201, created.text
@@ -250,6 +250,41 @@ def test_min_hot_1000_is_refused_naming_the_quota_until_an_admin_raises_it(
     register(api, store_dir, "t2")
     t2 = api.client(new_key(api, "t2")["key"])
     problem(t2.post("/v1/deployments", json=huge), 403, "quota-exceeded")
+
+
+def test_a_canary_and_a_fallback_version_count_against_the_replicas_quota(
+    api: Api, store_dir: Path
+) -> None:
+    register(api, store_dir, "t1")
+    register(api, store_dir, "t1", version="2")
+    t1 = api.client(new_key(api, "t1")["key"])
+    set_quotas(api, "t1", replicas=4)
+    assert t1.post("/v1/deployments", json={"model": "clf", "version": "1"}).status_code == 201
+    # production's max_replicas (4) + the canary's share of the floor (at least one)
+    over = problem(t1.post("/v1/deployments/clf:canary", json={"version": "2", "weight": 20}),
+                   403, "quota-exceeded")  # fmt: skip
+    assert over["quota"] == "replicas" and "would need 5 replicas" in over["detail"], over
+    assert t1.get("/v1/deployments/clf").json()["traffic"] == {"1": 100}
+    # a fallback version: one replica more
+    fallback = t1.patch("/v1/deployments/clf", json={"fallback": ["2"]})
+    assert problem(fallback, 403, "quota-exceeded")["quota"] == "replicas"
+    set_quotas(api, "t1", replicas=5)
+    canary = t1.post("/v1/deployments/clf:canary", json={"version": "2", "weight": 20})
+    assert canary.status_code == 200, canary.text
+
+
+def test_a_deployments_worst_case_is_what_the_pools_controller_may_give_it() -> None:
+    from ember.registry.quotas import worst_replicas
+    from ember.registry.schemas import PoolPolicy
+
+    policy = PoolPolicy(min_hot=5, max_replicas=8)
+    assert worst_replicas(policy, {"1": 100, "2": 0}, "1", []) == 8  # weight 0: none
+    assert worst_replicas(policy, {"1": 50, "2": 50}, "1", []) == 8 + 3  # ceil(5 x 50 %)
+    assert worst_replicas(policy, {"1": 50, "2": 50}, "1", ["2"]) == 11  # routed already
+    # scale to zero: a canary still gets one (a request wakes it); a fallback one, once
+    zero = PoolPolicy(min_hot=0, scale_to_zero=True, max_replicas=3)
+    assert zero.hot_floor == 0 and policy.hot_floor == 5
+    assert worst_replicas(zero, {"1": 90, "2": 10}, "1", ["3", "3"]) == 3 + 1 + 1
 
 
 @pytest.fixture

@@ -126,6 +126,12 @@ BLOCKED = {
     "link-local": "fe80::1",
     "multicast": "ff02::1",
     "documentation": "2001:db8::1",
+    "documentation (RFC 9637)": "3fff::1",
+    "discard-only": "100::1",
+    "SRv6 SID": "5f00::1",
+    # IETF protocol assignments that newer Pythons' ipaddress counts global
+    "IETF assignment (AMT)": "2001:3::1",
+    "IETF assignment (ORCHIDv2)": "2001:20::1",
 }
 PUBLIC = {
     "IPv4": "93.184.215.14",

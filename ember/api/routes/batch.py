@@ -26,7 +26,6 @@ from ember.batch.schemas import (
 from ember.config import Settings
 from ember.errors import Conflict, InvalidInput, NotFound
 from ember.jobs.submit import resolve
-from ember.loader.stores import join_uri
 from ember.registry.pagination import paginate
 from ember.registry.schemas import NAME_PATTERN, Page
 from ember.registry.tables import BatchRun, BatchSchedule
@@ -35,10 +34,6 @@ from ember.registry.tenants import Principal
 router = APIRouter(tags=["batch"])
 ScheduleName = Annotated[str, Path(pattern=NAME_PATTERN, max_length=63)]
 RunId = Annotated[str, Path(pattern=RUN_ID_PATTERN, description="A run id (`br_...`).")]
-
-
-def batch_prefix(settings: Settings, tenant: str) -> str:
-    return join_uri(settings.store_url, "batch", tenant) + "/"
 
 
 def check_spec(session: Session, settings: Settings, principal: Principal, spec: BatchSpec) -> None:
