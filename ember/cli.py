@@ -242,13 +242,15 @@ import ember.cli_engine  # noqa: E402,F401 - registers `ember engine`, `ember ca
 from ember import cli_jobs  # noqa: E402,F401 - registers `ember jobs`, `ember worker`
 
 
-def _resolve_version(settings: Settings, model: str, version: str) -> tuple[str, str]:
-    """``ember cache warm``: a version's artifact and digest, from the registry API (so a
-    key sees only its own tenant's models)."""
+def _resolve_version(
+    settings: Settings, model: str, version: str
+) -> tuple[str, str, list[dict[str, Any]] | None]:
+    """``ember cache warm``: a version's artifact, digest and manifest, from the registry
+    API (so a key sees only its own tenant's models)."""
     row = client().get(f"/v1/models/{model}/versions/{version}")
     if row["status"] != "ready" or not row["sha256"]:
         raise Conflict(f"{model}:{version} is {row['status']}, not ready to cache")
-    return str(row["artifact_uri"]), str(row["sha256"])
+    return str(row["artifact_uri"]), str(row["sha256"]), row.get("files")
 
 
 from ember.loader.cli import make_cache_app  # noqa: E402

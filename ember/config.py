@@ -87,6 +87,9 @@ class Settings(BaseSettings):
     validate_inline_max_bytes: int = Field(64 * 1024 * 1024, ge=0)
     """Artifacts up to this size are validated before registration returns; larger
     ones validate in the background (status ``pending`` until done)."""
+    manifest_max_files: int = Field(4096, ge=1, le=100_000)
+    """Most files a directory version may hold (its manifest); a larger directory is
+    refused at registration."""
 
     pools_enabled: bool = True
     """Run the pools controller (replicas for every deployment) in the API process."""
@@ -213,6 +216,10 @@ class Settings(BaseSettings):
     """How long a load waits for another thread or process filling the same entry."""
     loader_threads: int = Field(4, ge=1, le=64)
     """Parallel reads (and copies) when a local file is placed on the device."""
+    loader_shards_in_flight: int = Field(4, ge=1, le=64)
+    """Shards of a multi-file version loaded at once (each fetched or read in parallel
+    parts of its own): a sharded checkpoint streams through the cache into the device as
+    one pipeline."""
     loader_chunk_bytes: int = Field(16 * 1024 * 1024, ge=1024 * 1024, le=256 * 1024 * 1024)
     """Size of one read when a local file is placed on the device (rounded down to 4 KiB)."""
     loader_staging_bytes: int = Field(128 * 1024 * 1024, ge=8 * 1024 * 1024, le=1024**3)
@@ -351,6 +358,22 @@ class Settings(BaseSettings):
     @classmethod
     def _env_names(cls, value: object) -> object:
         return _split_csv(value)
+
+    gpus: str = Field("auto", max_length=65_536)
+    """The GPUs local replicas are given (each whole, to one replica at a time, as its
+    ``CUDA_VISIBLE_DEVICES``). ``auto`` (default): the NVIDIA GPUs NVML finds (the MIG
+    devices of a GPU in MIG mode), those the API's own ``CUDA_VISIBLE_DEVICES`` shows;
+    none where there is no driver. ``none``: no GPUs. Or the devices themselves: ids as
+    ``CUDA_VISIBLE_DEVICES`` takes them (``0,1``, ``GPU-<uuid>``, ``MIG-<uuid>``), or a
+    JSON list ``[{"id": "0", "name": "NVIDIA L4", "memory_bytes": 23034593280}]``."""
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus(cls, value: str) -> str:
+        from ember.pools.backends.gpus import parse_setting
+
+        parse_setting(value)  # ValueError names what is wrong
+        return value
 
     # --- quotas and rate limits (issue 20 §6) ---
     # Each is the default of one per-tenant quota (``PATCH /v1/tenants/{name}`` overrides it).

@@ -9,6 +9,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ember.costmodel import CostModel
+from ember.errors import ArtifactError
+from ember.loader.manifest import Manifest, ManifestFile
 
 REPLICA_SECRET_ENV = "EMBER_REPLICA_SECRET"  # noqa: S105 (a name, not a secret)
 """The environment variable a replica process reads its secret from (made at launch by the
@@ -74,10 +76,35 @@ class VersionSpec(BaseModel):
     output_schema: dict[str, Any] | None = None
     cost: dict[str, float] | None = None
     """Calibrated ``CostModel`` fields for this hardware, if known."""
+    files: tuple[ManifestFile, ...] | None = None
+    """The version's files (``ember.loader.manifest``). A directory version
+    (``artifact_uri`` ending in ``/``): every file, and ``sha256`` is the manifest's digest.
+    A single-file version: the weights and the sidecars registered beside them. None: a
+    single-file version registered before manifests (its sidecars are read unverified)."""
     trusted: bool = False
     """The version's tenant is marked trusted (set by the pools controller from the
     registry): its code need not match the replica's ``EMBER_ENGINE_FACTORIES`` nor its
     vLLM flags the allowlist (``ember.registry.trust``). False: the replica checks both."""
+
+    @property
+    def directory(self) -> bool:
+        """A multi-file version (a manifest of a directory), not one ``.safetensors``."""
+        return self.artifact_uri.endswith("/")
+
+    @cached_property
+    def manifest(self) -> Manifest | None:
+        """A directory version's manifest, checked against its ``sha256`` (a spec whose
+        files are not the registered ones is refused before anything is read)."""
+        if not self.directory:
+            return None
+        if not self.files:
+            raise ArtifactError(f"directory version {self.model}:{self.version} has no manifest")
+        manifest = Manifest.of(self.files)
+        if manifest.digest != self.sha256:
+            raise ArtifactError(
+                f"the manifest of {self.model}:{self.version} does not match its sha256"
+            )
+        return manifest
 
     @cached_property
     def cost_model(self) -> CostModel:

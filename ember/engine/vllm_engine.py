@@ -13,7 +13,8 @@ model units.
 Weights come through Ember's loader: vLLM loads with ``--load-format ember``
 (``ember.engine.vllm_plugin``), which streams the verified cache file into the model in
 vLLM's worker process. The sidecar files (config, tokenizer, generation config) are
-fetched from the artifact's prefix into ``<cache>/sidecars/<model>/<version>/``.
+the version's own, verified (``ember.engine.sidecars``): a directory version's from its
+manifest, a single-file version's from beside the weights, checked against their sha256.
 
 engine_config (all optional)::
 
@@ -281,6 +282,7 @@ class VllmEngine(Engine):
         report_path.unlink(missing_ok=True)
         target = LoadTarget(model=self.spec.model, version=self.spec.version,
                             artifact_uri=self.spec.artifact_uri, sha256=self.spec.sha256,
+                            files=self.spec.files,
                             settings=loader_settings_dict(self.settings),
                             report_path=str(report_path))  # fmt: skip
         argv = vllm_argv(self.spec, self.options, files, self.device, target.model_dump_json(),

@@ -30,7 +30,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from ember.config import Settings
+from ember.engine.spec import VersionSpec
 from ember.errors import ArtifactError
+from ember.loader.manifest import ManifestFile
 from ember.logs import bind_process, configure_logging, get_logger, model_context
 
 LOAD_FORMAT = "ember"
@@ -54,12 +56,19 @@ class LoadTarget(BaseModel):
     version: str
     artifact_uri: str
     sha256: str
+    files: tuple[ManifestFile, ...] | None = None
+    """A directory version's manifest (``VersionSpec.files``)."""
     settings: dict[str, Any]
     report_path: str | None = None
     """Where the worker writes the ``LoadReport`` as JSON for the engine to read."""
 
     def loader_settings(self) -> Settings:
         return Settings(**self.settings)
+
+    def spec(self) -> VersionSpec:
+        """The version as the loader takes it (the engine fields do not matter here)."""
+        return VersionSpec(model=self.model, version=self.version, artifact_uri=self.artifact_uri,
+                           sha256=self.sha256, files=self.files, engine="vllm")  # fmt: skip
 
 
 def loader_settings_dict(settings: Settings) -> dict[str, Any]:
@@ -115,7 +124,7 @@ def _loader_class() -> type:
 
             t = self.target
             with model_context(t.model, t.version):
-                WeightLoader(t.loader_settings()).warm(t.model, t.version, t.artifact_uri, t.sha256)
+                WeightLoader(t.loader_settings()).warm_version(t.spec())
 
         def load_weights(self, model: Any, model_config: Any) -> None:
             with model_context(self.target.model, self.target.version):
@@ -129,8 +138,8 @@ def load_into(model: Any, target: LoadTarget) -> None:
     from ember.loader.load import WeightLoader
 
     device = next(model.parameters()).device
-    stream = WeightLoader(target.loader_settings()).stream(
-        target.model, target.version, target.artifact_uri, target.sha256, device=str(device)
+    stream = WeightLoader(target.loader_settings()).stream_version(
+        target.spec(), device=str(device)
     )
     loaded: set[str] | None = model.load_weights(iter(stream))
     if stream.report is None:  # the model stopped early: the load is verified only at the end

@@ -60,9 +60,7 @@ def build_and_load(
 
     with torch.device("meta"):
         module = build()
-    loaded = loader_for(settings).load(
-        spec.model, spec.version, spec.artifact_uri, spec.sha256, device=device
-    )
+    loaded = loader_for(settings).load_version(spec, device=device)  # one file or a manifest
     try:
         tensors = _matching(module, loaded.tensors, strip_prefix)
         module.load_state_dict(tensors, strict=True, assign=True)
@@ -108,9 +106,14 @@ class ModuleEngine(Engine):
 
     def set_tier(self, tier: Tier) -> None:
         cuda = self.module is not None and self.device.startswith("cuda")
-        if cuda and Tier.standby not in (tier, self.tier):
-            # warm: weights in host memory, one copy from hot; hot: back on the device.
-            self.module.to("cpu" if tier is Tier.warm else self.device)
+        if cuda and Tier.standby not in (tier, self.tier) and tier is not self.tier:
+            # warm: weights in pinned host memory, the device's freed; hot: one copy back.
+            from ember.engine.hostcopy import demote, promote
+
+            if tier is Tier.warm:
+                demote(self.module)
+            else:
+                promote(self.module, self.device)
             self.tier = tier
             return
         super().set_tier(tier)

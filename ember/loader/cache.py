@@ -7,13 +7,18 @@ set names the tenant in the key (``CacheKey.tenant``)::
 
     .lock                                   the cache's lock: budget accounting and eviction
     .trash/                                 evicted entries on their way out
-    v1/<model>/<version>/<sha256>/
+    v1/<model>/<version>/<sha256>/          a single-file version (the key's sha256 is its own)
         weights.safetensors                 complete and verified (appears only by rename)
         weights.safetensors.part            a fill in progress or interrupted
         part.json                           etag + size the partial bytes came from
         meta.json                           model, version, sha256, size, source, verified_at
         fill.lock                           flock: held EX by the one filler (or verifier)
         pin.lock                            flock: held SH by every live replica using it
+    v1/<model>/<version>/<manifest>/        a directory version, keyed by its manifest's digest
+        f/<sha256>/                         one entry per file (its sha256): as above, the
+                                            file's bytes in weights.safetensors whatever it is
+        tree/                               links named as the version's files (config,
+                                            tokenizer, ...) to their verified entries
 
 Why file locks: ``flock`` locks belong to the open file description, so they exclude
 threads of one process (each opens its own descriptor) as well as other processes, and
@@ -88,12 +93,16 @@ class CacheKey:
     tenant: int | None = None
     """The tenant's directory under this cache's root (``tenant_cache_dir``); None where
     the root is the tenant's directory already (a replica's cache)."""
+    manifest: str | None = None
+    """The digest of the directory version this file belongs to (None: a single-file
+    version, whose own sha256 is the key)."""
 
     def __post_init__(self) -> None:
         if not self.model or not self.version or "\x00" in self.model + self.version:
             raise LoaderError(f"invalid cache key {self.model!r}:{self.version!r}")
-        if len(self.sha256) != 64 or not all(c in "0123456789abcdef" for c in self.sha256):
-            raise LoaderError(f"cache key needs a lowercase hex sha256, got {self.sha256!r}")
+        for digest in (self.sha256, self.manifest):
+            if digest is not None and not _is_digest(digest):
+                raise LoaderError(f"cache key needs a lowercase hex sha256, got {digest!r}")
 
     def __str__(self) -> str:
         return f"{self.model}:{self.version}"
@@ -120,6 +129,10 @@ class FillResult:
     """Bytes read from the object store (less than the size when a fill resumed)."""
     bytes_resumed: int
     seconds: float
+
+
+def _is_digest(value: str) -> bool:
+    return len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
 def _component(name: str) -> str:
@@ -206,14 +219,21 @@ class _Flock:
 
 
 class Pin:
-    """A live replica's claim on an entry: eviction skips it until ``release``."""
+    """A live replica's claim on an entry (or on every file entry of a directory version):
+    eviction skips it until ``release``."""
 
-    def __init__(self, lock: _Flock, key: CacheKey) -> None:
-        self._lock = lock
+    def __init__(self, lock: _Flock | list[_Flock], key: CacheKey) -> None:
+        self._locks = lock if isinstance(lock, list) else [lock]
         self.key = key
 
+    @classmethod
+    def joined(cls, pins: list[Pin], key: CacheKey) -> Pin:
+        """One pin holding all of ``pins`` (a directory version's files)."""
+        return cls([lock for p in pins for lock in p._locks], key)
+
     def release(self) -> None:
-        self._lock.close()
+        for lock in self._locks:
+            lock.close()
 
     def __enter__(self) -> Pin:
         return self
@@ -249,12 +269,55 @@ class WeightCache:
         )
 
     # --- paths ---------------------------------------------------------------------
-    def entry_dir(self, key: CacheKey) -> Path:
+    def version_dir(self, key: CacheKey) -> Path:
+        """The directory of the key's version: where a single-file version's entry is, or
+        the directory of a directory version's file entries and tree."""
         root = self.root if key.tenant is None else tenant_cache_dir(self.root, key.tenant)
-        return root / "v1" / _component(key.model) / _component(key.version) / key.sha256
+        base = root / "v1" / _component(key.model) / _component(key.version)
+        return base / (key.manifest or key.sha256)
+
+    def entry_dir(self, key: CacheKey) -> Path:
+        if key.manifest is None:
+            return self.version_dir(key)
+        return self.version_dir(key) / "f" / key.sha256
 
     def weights_path(self, key: CacheKey) -> Path:
         return self.entry_dir(key) / WEIGHTS
+
+    def tree(self, files: dict[str, CacheKey]) -> Path:
+        """A directory of links named as a directory version's files (relative path ->
+        the file's key, all of one manifest), each to its entry's verified bytes: what an
+        engine reads as the model's directory. Fill the entries first; pin them while the
+        tree is used (a link to an evicted entry dangles). Rebuilt when it differs."""
+        keys = set(files.values())
+        if len({k.manifest for k in keys}) != 1 or next(iter(keys)).manifest is None:
+            raise LoaderError("a tree is made of the files of one directory version")
+        any_key = next(iter(keys))
+        base = self.version_dir(any_key)
+        tree = base / "tree"
+        lock = _Flock(base / "tree.lock")
+        lock.lock(fcntl.LOCK_EX, self.lock_timeout_s, f"tree of {any_key}")
+        try:
+            want = {
+                path: os.path.relpath(self.weights_path(key), (tree / path).parent)
+                for path, key in files.items()
+            }
+            if _links_are(tree, want):
+                return tree
+            tmp = base / f".tree.{uuid.uuid4().hex}"
+            for path, target in want.items():
+                link = tmp / path
+                _make_dirs(link.parent)
+                os.symlink(target, link)
+            if tree.exists():
+                old = self.root / ".trash" / uuid.uuid4().hex
+                _make_dirs(old.parent)
+                os.replace(tree, old)
+                shutil.rmtree(old, ignore_errors=True)
+            os.replace(tmp, tree)
+            return tree
+        finally:
+            lock.close()
 
     # --- locks ---------------------------------------------------------------------
     def pin(self, key: CacheKey) -> Pin:
@@ -417,8 +480,8 @@ class WeightCache:
         now = time.time()
         meta = {
             "model": key.model, "version": key.version, "sha256": key.sha256,
-            "size": info.size, "source_uri": info.uri, "etag": info.etag,
-            "filled_at": now, "verified_at": now,
+            "manifest": key.manifest, "size": info.size, "source_uri": info.uri,
+            "etag": info.etag, "filled_at": now, "verified_at": now,
         }  # fmt: skip
         # meta first, then the weights: weights.safetensors never exists without its meta.
         _write_json(entry / "meta.json", meta)
@@ -490,6 +553,7 @@ class WeightCache:
         for tenant, base in bases:
             try:
                 entries = sorted(base.glob("*/*/*")) if base.is_dir() else []
+                entries += sorted(base.glob("*/*/*/f/*")) if base.is_dir() else []
             except PermissionError:  # another tenant's directory, seen from a replica
                 continue
             for entry in entries:
@@ -508,7 +572,8 @@ class WeightCache:
         if not complete and not part.exists():
             return None  # only locks (a pin taken before a fill): nothing on disk to show
         if complete and meta is not None:
-            key = CacheKey(meta["model"], meta["version"], meta["sha256"], tenant)
+            key = CacheKey(meta["model"], meta["version"], meta["sha256"], tenant,
+                           meta.get("manifest"))  # fmt: skip
             size, last_used, source = weights.stat().st_size, weights.stat().st_mtime, None
             source = meta.get("source_uri")
         else:
@@ -516,9 +581,12 @@ class WeightCache:
                 state = json.loads((entry / "part.json").read_text())
             except (FileNotFoundError, ValueError):
                 state = {}
+            in_manifest = entry.parent.name == "f"
+            version_dir = entry.parent.parent if in_manifest else entry
             try:
-                key = CacheKey(unquote(entry.parent.parent.name), unquote(entry.parent.name),
-                               entry.name, tenant)  # fmt: skip
+                key = CacheKey(unquote(version_dir.parent.parent.name),
+                               unquote(version_dir.parent.name), entry.name, tenant,
+                               version_dir.name if in_manifest else None)  # fmt: skip
             except LoaderError:
                 return None  # not a directory this cache made
             size = int(state.get("size", 0)) if part.exists() else 0
@@ -529,6 +597,20 @@ class WeightCache:
             pinned=_held(entry / "pin.lock"), filling=_held(entry / "fill.lock"),
             source_uri=source,
         )  # fmt: skip
+
+
+def _links_are(tree: Path, want: dict[str, str]) -> bool:
+    """Whether ``tree`` holds exactly the links ``want`` (relative path -> target)."""
+    if not tree.is_dir():
+        return False
+    found: dict[str, str] = {}
+    for top, _, files in os.walk(tree):
+        for name in files:
+            link = Path(top) / name
+            if not link.is_symlink():
+                return False
+            found[link.relative_to(tree).as_posix()] = os.readlink(link)
+    return found == want
 
 
 def _held(path: Path) -> bool:

@@ -9,7 +9,7 @@ resolver; ``ember.cli`` mounts ``make_cache_app(<registry resolver>)`` as ``embe
 from __future__ import annotations
 
 import time
-from typing import Annotated, Protocol
+from typing import Annotated, Any, Protocol
 
 import typer
 
@@ -19,9 +19,11 @@ from ember.loader.cache import WeightCache
 
 
 class VersionResolver(Protocol):
-    def __call__(self, settings: Settings, model: str, version: str) -> tuple[str, str]:
-        """``(artifact_uri, sha256)`` of a registered, validated model version;
-        raises ``NotFound`` when there is none."""
+    def __call__(
+        self, settings: Settings, model: str, version: str
+    ) -> tuple[str, str, list[dict[str, Any]] | None]:
+        """``(artifact_uri, sha256, files)`` of a registered, validated model version (its
+        manifest: a directory version's files); raises ``NotFound`` when there is none."""
         ...
 
 
@@ -70,17 +72,28 @@ def make_cache_app(resolve: VersionResolver | None = None) -> typer.Typer:
         uri: Annotated[str | None, typer.Option(help="Artifact URI (skips the registry).")] = None,
         sha256: Annotated[str | None, typer.Option(help="Expected sha256 (with --uri).")] = None,
     ) -> None:
-        """Fetch a version's weights into the cache now, so a later start is a hit."""
+        """Fetch a version's files into the cache now, so a later start is a hit."""
+        from ember.engine.spec import VersionSpec
         from ember.loader.load import WeightLoader
 
         model, version = _split(ref)
         settings = get_settings()
+        files = None
         try:
             if uri is None or sha256 is None:
                 if resolve is None:
                     raise NotFound("no registry wired to `ember cache`: pass --uri and --sha256")
-                uri, sha256 = resolve(settings, model, version)
-            result = WeightLoader(settings).warm(model, version, uri, sha256)
+                uri, sha256, files = resolve(settings, model, version)
+            loader = WeightLoader(settings)
+            if uri.endswith("/"):  # a directory version: every file of its manifest
+                started = time.perf_counter()
+                spec = VersionSpec(model=model, version=version, artifact_uri=uri,
+                                   sha256=sha256, files=files, engine="torch")  # fmt: skip
+                loader.warm_version(spec)
+                typer.echo(f"{ref}: {len(files or ())} files cached "
+                           f"in {time.perf_counter() - started:.1f}s")  # fmt: skip
+                return
+            result = loader.warm(model, version, uri, sha256)
         except EmberError as exc:
             fail(exc)
             return

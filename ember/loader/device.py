@@ -261,12 +261,18 @@ def _aligned_host_buffer(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(view, dtype=torch.uint8)[:nbytes]
 
 
-def into(header: Header, targets: Mapping[str, torch.Tensor]) -> Destinations:
-    """Destinations that are the caller's tensors (names, shapes and dtypes must match)."""
+def into(
+    header: Header, targets: Mapping[str, torch.Tensor], *, subset: bool = False
+) -> Destinations:
+    """Destinations that are the caller's tensors (names, shapes and dtypes must match).
+    ``subset``: the file is one shard of several; it fills the targets its tensors name
+    (every one of them must have one)."""
     import torch
 
     dtypes = torch_dtypes()
     names = {s.name for s in header.tensors}
+    if subset:
+        targets = {n: t for n, t in targets.items() if n in names}
     missing, unexpected = sorted(set(targets) - names), sorted(names - set(targets))
     if missing or unexpected:
         raise LoaderError(

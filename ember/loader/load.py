@@ -9,7 +9,13 @@ An engine loads one model version with::
     weights.pin.release()                      # when the replica stops (lets LRU evict)
 
 or iterates ``loader.stream(...)`` to get ``(name, tensor)`` pairs while the rest of the
-file is still arriving. On a cache miss the object store's bytes go to the cache file
+file is still arriving. A directory version (a manifest of files, ``VersionSpec.directory``)
+loads with ``loader.load_version(spec)`` / ``stream_version(spec)``: every file is an entry
+of its own keyed by the manifest (``CacheKey.manifest``), pinned together; its shards
+stream ``EMBER_LOADER_SHARDS_IN_FLIGHT`` at a time through the same pipeline, each a
+single-flight, verified fill (or a hit), and the other files (config, tokenizer) are filled
+beside them; ``loader.files_dir(spec)`` is the version's directory made of those verified
+entries. On a cache miss the object store's bytes go to the cache file
 and the device in one pass; on a hit the cache file goes to the device. The load is
 complete — and verified — only when the stream is exhausted without an error (on a miss
 the sha256 is known only after the last byte).
@@ -26,22 +32,25 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ember.config import Settings
-from ember.errors import ArtifactError
+from ember.errors import ArtifactError, LoaderError
 from ember.loader.cache import CacheKey, FillResult, Pin, WeightCache
+from ember.loader.manifest import Manifest
 from ember.loader.pagecache import RESERVE, PinnedFile, fully_resident
 from ember.loader.report import CacheOutcome, LoadReport
 from ember.loader.safetensors import PREFIX_BYTES, Header, parse_header, read_header_len
-from ember.loader.stores import open_store
+from ember.loader.stores import ObjectInfo, ObjectStore, join_uri, open_store
 from ember.logs import model_context
 
 if TYPE_CHECKING:
     import torch
 
+    from ember.engine.spec import VersionSpec
     from ember.loader.device import Destinations
 
 Targets = Mapping[str, "torch.Tensor"]
@@ -66,7 +75,8 @@ class WeightStream:
         self.tensors: dict[str, torch.Tensor] = {}
         self.report: LoadReport | None = None
         self.pin: Pin | None = None
-        self._dest: Destinations | None = None
+        self._where: dict[str, Destinations] = {}
+        self._where_lock = threading.Lock()
         self._events: queue.SimpleQueue[list[str] | BaseException | None] = queue.SimpleQueue()
         ctx = contextvars.copy_context()
         self._thread = threading.Thread(
@@ -82,8 +92,17 @@ class WeightStream:
         else:
             self._events.put(None)
 
-    def _started(self, dest: Destinations) -> None:
-        self._dest = dest
+    def _started(self, dest: Destinations, source: str = "") -> None:
+        """``dest`` holds the tensors of one file (of several, for a sharded version)."""
+        with self._where_lock:
+            for spec in dest.header.tensors:
+                if spec.name in self._where:
+                    raise ArtifactError(
+                        f"tensor {spec.name!r} is in two shards (the second: {source})",
+                        tensor=spec.name[:200],
+                    )
+            for spec in dest.header.tensors:
+                self._where[spec.name] = dest
 
     def _done(self, names: list[str]) -> None:
         self._events.put(names)
@@ -99,9 +118,8 @@ class WeightStream:
                 if self.pin is not None:
                     self.pin.release()
                 raise event
-            assert self._dest is not None
             for name in event:
-                tensor = self._dest.tensors[name]
+                tensor = self._where[name].tensors[name]
                 self.tensors[name] = tensor
                 yield name, tensor
 
@@ -150,6 +168,133 @@ class WeightLoader:
         """Load every tensor; returns once all bytes are on the device and verified."""
         return self.stream(model, version, uri, sha256, device=device, into=into).result()
 
+    def stream_version(
+        self, spec: VersionSpec, *, device: str = "cpu", into: Targets | None = None
+    ) -> WeightStream:
+        """The weights of ``spec``: one file, or every shard of a directory version."""
+        manifest = spec.manifest
+        if manifest is None:
+            return self.stream(spec.model, spec.version, spec.artifact_uri, spec.sha256,
+                               device=device, into=into)  # fmt: skip
+
+        def run(ws: WeightStream) -> None:
+            with model_context(spec.model, spec.version):
+                self._load_manifest(ws, spec, manifest, device, into)
+
+        return WeightStream(run)
+
+    def load_version(
+        self, spec: VersionSpec, *, device: str = "cpu", into: Targets | None = None
+    ) -> LoadedWeights:
+        """``stream_version`` to the end: every tensor on the device and verified."""
+        return self.stream_version(spec, device=device, into=into).result()
+
+    def warm_version(self, spec: VersionSpec) -> None:
+        """Fill every file of ``spec`` into the cache without loading it."""
+        manifest = spec.manifest
+        if manifest is None:
+            self.warm(spec.model, spec.version, spec.artifact_uri, spec.sha256)
+            return
+        with model_context(spec.model, spec.version):
+            keys = _file_keys(spec, manifest)
+            with ThreadPoolExecutor(self.settings.loader_shards_in_flight,
+                                    thread_name_prefix="ember-fill") as pool:  # fmt: skip
+                for _ in pool.map(lambda path: self._ensure(spec, manifest, path, keys[path]),
+                                  list(keys)):  # fmt: skip
+                    pass
+
+    def files_dir(self, spec: VersionSpec) -> Path:
+        """A directory version's files but its weights (config, tokenizer, index, ...),
+        filled and verified, as a directory of links (``WeightCache.tree``): what the
+        transformers and vLLM engines read beside the weights. Pinned for the life of the
+        loader's process (they are small)."""
+        manifest = spec.manifest
+        if manifest is None:
+            raise ArtifactError(f"{spec.model}:{spec.version} is not a directory version")
+        with model_context(spec.model, spec.version):
+            keys = _file_keys(spec, manifest)
+            weights = {f.path for f in manifest.shards}
+            side = {path: key for path, key in keys.items() if path not in weights}
+            if not side:
+                raise ArtifactError("the version has no file beside its weights (config.json)")
+            for path, key in side.items():
+                _KEEP.append(self.cache.pin(key))
+                self._ensure(spec, manifest, path, key)
+            return self.cache.tree(side)
+
+    def _ensure(self, spec: VersionSpec, manifest: Manifest, path: str, key: CacheKey) -> None:
+        """The file's entry filled and verified (single-flight)."""
+        if self.cache.lookup(key) is not None:
+            return
+        with self.cache.fill_lock(key):
+            if self.cache.checked(key) is not None:
+                return
+            store = open_store(spec.artifact_uri, self.settings)
+            info = _file_info(store, spec.artifact_uri, manifest, path)
+            self.cache.fill(key, store, info)
+
+    def _load_manifest(
+        self,
+        ws: WeightStream,
+        spec: VersionSpec,
+        manifest: Manifest,
+        device: str,
+        into: Targets | None,
+    ) -> None:
+        started = time.perf_counter()
+        keys = _file_keys(spec, manifest)
+        pins: list[Pin] = []
+        try:
+            for key in dict.fromkeys(keys.values()):
+                pins.append(self.cache.pin(key))
+        except BaseException:
+            for pin in pins:
+                pin.release()
+            raise
+        ws.pin = Pin.joined(pins, CacheKey(spec.model, spec.version, manifest.digest))
+        report = LoadReport(spec.model, spec.version, spec.artifact_uri, manifest.digest,
+                            device, "hit")  # fmt: skip
+        shards = [f.path for f in manifest.shards]
+        others = [path for path in keys if path not in shards]
+        reports: list[LoadReport] = []
+        ctx = contextvars.copy_context()
+
+        def one(path: str) -> None:
+            try:
+                if path in others:
+                    self._ensure(spec, manifest, path, keys[path])
+                    return
+                part = LoadReport(spec.model, spec.version, path, keys[path].sha256, device,
+                                  "hit")  # fmt: skip
+                uri = join_uri(spec.artifact_uri, *path.split("/"))
+                size = manifest.files_by_path[path].size
+                self._place_entry(ws, keys[path], uri, device, into, part, size, subset=True)
+                reports.append(part)
+            except LoaderError as exc:
+                if exc.detail.startswith(path):
+                    raise
+                raise type(exc)(f"{path}: {exc.detail}", **{**exc.extra, "file": path}) from exc
+
+        workers = self.settings.loader_shards_in_flight
+        with ThreadPoolExecutor(workers, thread_name_prefix="ember-shard") as pool:
+            futures = [pool.submit(ctx.copy().run, one, path) for path in shards + others]
+            try:
+                for fut in futures:
+                    fut.result()
+            finally:
+                for fut in futures:
+                    fut.cancel()
+        if into is not None:
+            missing = sorted(set(into) - set(ws._where))
+            if missing:
+                raise LoaderError(
+                    f"destination tensors not in any shard: {missing[:5]}", missing=missing[:50]
+                )
+        _merge(report, reports)
+        report.stage("total", report.bytes, time.perf_counter() - started)
+        ws.report = report
+        report.log()
+
     def warm(self, model: str, version: str, uri: str, sha256: str) -> FillResult | None:
         """Fill the cache entry without loading it (``None``: it was already there)."""
         key = CacheKey(model, version, sha256)
@@ -168,6 +313,26 @@ class WeightLoader:
         started = time.perf_counter()
         ws.pin = self.cache.pin(key)
         report = LoadReport(key.model, key.version, uri, key.sha256, device, "hit")
+        self._place_entry(ws, key, uri, device, into, report)
+        report.stage("total", report.bytes, time.perf_counter() - started)
+        ws.report = report
+        report.log()
+
+    def _place_entry(
+        self,
+        ws: WeightStream,
+        key: CacheKey,
+        uri: str,
+        device: str,
+        into: Targets | None,
+        report: LoadReport,
+        expect_size: int | None = None,
+        *,
+        subset: bool = False,
+    ) -> None:
+        """One safetensors file's entry onto the device: placed from the cache on a hit,
+        else fetched into the cache and placed as its bytes arrive. ``subset``: the file
+        fills the part of ``into`` its tensors name (one shard of several)."""
         path = self.cache.lookup(key)
         if path is None:
             # Present but not usable without a re-hash (due), versus absent (fill, or wait
@@ -182,13 +347,11 @@ class WeightLoader:
                         report.stage("verify", path.stat().st_size, time.perf_counter() - t0)
                 else:
                     outcome: CacheOutcome = "refetched" if had_entry else "miss"
-                    self._fill_and_place(ws, key, uri, device, into, report, outcome)
+                    self._fill_and_place(ws, key, uri, device, into, report, outcome,
+                                         expect_size, subset)  # fmt: skip
         if path is not None:
             place_file(path, device=device, into=into, settings=self.settings, ws=ws,
-                       report=report)  # fmt: skip
-        report.stage("total", report.bytes, time.perf_counter() - started)
-        ws.report = report
-        report.log()
+                       report=report, subset=subset)  # fmt: skip
 
     def _fill_and_place(
         self,
@@ -199,6 +362,8 @@ class WeightLoader:
         into: Targets | None,
         report: LoadReport,
         outcome: CacheOutcome,
+        expect_size: int | None = None,
+        subset: bool = False,
     ) -> None:
         import torch
 
@@ -209,15 +374,20 @@ class WeightLoader:
 
         def make_dest(header: Header) -> Destinations:
             dest = (
-                dev.into(header, into)
+                dev.into(header, into, subset=subset)
                 if into is not None
                 else dev.allocate(header, target, whole_file=False)
             )
-            ws._started(dest)
+            ws._started(dest, uri)
             return dest
 
         store = open_store(uri, self.settings)
         info = store.stat(uri)
+        if expect_size is not None and info.size != expect_size:
+            raise ArtifactError(
+                f"{uri} is {info.size} bytes, its manifest says {expect_size}: the object "
+                "changed since the version was registered"
+            )
         placement = dev.StreamPlacement(
             make_dest, lambda head, size: _header_when_complete(head, size, max_header),
             info.size, ws._done,
@@ -264,8 +434,10 @@ def place_file(
     settings: Settings,
     ws: WeightStream | None = None,
     report: LoadReport | None = None,
+    subset: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Place a local safetensors file on ``device`` (or into ``into``); returns the tensors."""
+    """Place a local safetensors file on ``device`` (or into ``into``, or with ``subset``
+    into the part of ``into`` its tensors name); returns the tensors."""
     import torch
 
     from ember.loader import device as dev
@@ -279,13 +451,13 @@ def place_file(
     mapped = dest is not None
     if dest is None:
         dest = (
-            dev.into(header, into)
+            dev.into(header, into, subset=subset)
             if into is not None
             else dev.allocate(header, target, whole_file=True)
         )
     done = ws._done if ws is not None else lambda names: None
     if ws is not None:
-        ws._started(dest)
+        ws._started(dest, str(path))
     if mapped:
         done([s.name for s in header.tensors])
     else:
@@ -375,3 +547,54 @@ def module_destinations(module: Any) -> dict[str, torch.Tensor]:
 
     with torch.no_grad():
         return {name: t.detach() for name, t in module.state_dict(keep_vars=True).items()}
+
+
+_KEEP: list[Pin] = []
+"""Pins of the files ``files_dir`` linked: held for the life of the process."""
+
+_OUTCOME_RANK = ("hit", "verified-hit", "resumed", "refetched", "miss")
+
+
+def _file_keys(spec: VersionSpec, manifest: Manifest) -> dict[str, CacheKey]:
+    """Each file's cache entry: keyed by model, version, its sha256 and the manifest."""
+    return {
+        f.path: CacheKey(spec.model, spec.version, f.sha256, manifest=manifest.digest)
+        for f in manifest.files
+    }
+
+
+def _file_info(store: ObjectStore, base: str, manifest: Manifest, path: str) -> ObjectInfo:
+    uri = join_uri(base, *path.split("/"))
+    info = store.stat(uri)
+    entry = manifest.files_by_path.get(path)
+    if entry is None or info.size != entry.size:
+        raise ArtifactError(
+            f"{path} is {info.size} bytes in the store, its manifest says "
+            f"{entry.size if entry else 'nothing'}: the object changed since the version was "
+            "registered",
+            file=path,
+        )
+    return info
+
+
+def _merge(report: LoadReport, parts: list[LoadReport]) -> None:
+    """A directory version's report from its shards' (loaded several at once): bytes
+    summed; a stage's seconds the longest shard's (not their sum: they overlap); the cache
+    outcome the worst of theirs."""
+    report.bytes = sum(p.bytes for p in parts)
+    report.tensors = sum(p.tensors for p in parts)
+    report.bytes_fetched = sum(p.bytes_fetched for p in parts)
+    outcomes: list[CacheOutcome] = [p.cache for p in parts] or ["hit"]
+    report.cache = max(outcomes, key=_rank)
+    stages: dict[str, list[float]] = {}
+    for part in parts:
+        for stage in part.stages:
+            acc = stages.setdefault(stage.name, [0, 0.0])
+            acc[0] += stage.bytes
+            acc[1] = max(acc[1], stage.seconds)
+    for name, (nbytes, seconds) in stages.items():
+        report.stage(name, int(nbytes), seconds)
+
+
+def _rank(outcome: CacheOutcome) -> int:
+    return _OUTCOME_RANK.index(outcome) if outcome in _OUTCOME_RANK else 0

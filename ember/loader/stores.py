@@ -34,10 +34,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 from ember.config import Settings
 from ember.errors import (
+    InvalidInput,
     LoaderError,
     ObjectChanged,
     ObjectNotFound,
@@ -129,6 +130,13 @@ class ObjectStore(ABC):
         for _, chunk in self.iter_parts(uri, info, part_bytes=chunk_bytes):
             yield chunk
 
+    @abstractmethod
+    def list_dir(self, uri: str, max_files: int) -> list[tuple[str, ObjectInfo]]:
+        """Every object under the directory ``uri`` (ending in ``/``) as ``(path relative
+        to it, info)``, sorted by path, hidden files and directories (a part starting with
+        ``.``) left out; ``InvalidInput`` beyond ``max_files``, ``ObjectNotFound`` if none.
+        A link out of the allowed locations is refused, never followed."""
+
     def sha256(self, uri: str, progress: Progress | None = None) -> tuple[str, ObjectInfo]:
         """Digest of the whole object, read in parallel parts (never whole in memory)."""
         info = self.stat(uri)
@@ -195,6 +203,29 @@ class FileStore(ObjectStore):
         if not path.is_file():
             raise ObjectNotFound(f"{uri} is not a regular file")
         return ObjectInfo(uri, st.st_size, f"{st.st_ino:x}-{st.st_size:x}-{st.st_mtime_ns:x}")
+
+    def list_dir(self, uri: str, max_files: int) -> list[tuple[str, ObjectInfo]]:
+        base = _directory(uri)
+        root = self.path_of(base)
+        if not root.is_dir():
+            raise ObjectNotFound(f"{shown(uri)} is not a directory")
+        found: list[tuple[str, ObjectInfo]] = []
+        for top, dirs, files in os.walk(root, followlinks=False):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            rel_top = Path(top).relative_to(root).as_posix()
+            for name in sorted(files):
+                if name.startswith("."):
+                    continue
+                rel = name if rel_top == "." else f"{rel_top}/{name}"
+                if len(found) >= max_files:
+                    raise InvalidInput(
+                        f"{shown(uri)} holds more than {max_files} files (EMBER_MANIFEST_MAX_FILES)"
+                    )
+                child = base + "/".join(quote(p, safe="") for p in rel.split("/"))
+                found.append((rel, self.stat(child)))  # a link out of the roots is refused
+        if not found:
+            raise ObjectNotFound(f"no file under {shown(uri)}")
+        return sorted(found)
 
     def read_range(self, uri: str, start: int, length: int, *, etag: str | None = None) -> bytes:
         path = self.path_of(uri)
@@ -342,6 +373,33 @@ class S3Store(ObjectStore):
             return data
 
         return self.retry.call(get, what=f"GET {uri} bytes={start}-{end}")
+
+    def list_dir(self, uri: str, max_files: int) -> list[tuple[str, ObjectInfo]]:
+        base = _directory(uri)
+        bucket, key = self.split(base + "x")
+        prefix = key[:-1]
+        found: list[tuple[str, ObjectInfo]] = []
+
+        def pages() -> Iterator[dict[str, Any]]:
+            paginator = self.client.get_paginator("list_objects_v2")
+            with translate_s3_errors(uri):
+                yield from paginator.paginate(Bucket=bucket, Prefix=prefix)  # type: ignore[misc]
+
+        for page in pages():
+            for obj in page.get("Contents", []):
+                rel = str(obj["Key"])[len(prefix) :]
+                if not rel or rel.endswith("/") or any(p.startswith(".") for p in rel.split("/")):
+                    continue  # a directory marker, or hidden
+                if len(found) >= max_files:
+                    raise InvalidInput(
+                        f"{shown(uri)} holds more than {max_files} files (EMBER_MANIFEST_MAX_FILES)"
+                    )
+                child = f"s3://{bucket}/{obj['Key']}"
+                self.split(child)  # a key the store would not read as itself is refused
+                found.append((rel, ObjectInfo(child, int(obj["Size"]), str(obj["ETag"]))))
+        if not found:
+            raise ObjectNotFound(f"no object under {shown(uri)}")
+        return sorted(found)
 
     def put_file(self, path: Path, uri: str, progress: Progress | None = None) -> ObjectInfo:
         from boto3.s3.transfer import TransferConfig
@@ -500,6 +558,11 @@ class Location:
     @property
     def key(self) -> str:
         return "/".join(self.segments) + ("/" if self.directory and self.segments else "")
+
+
+def _directory(uri: str) -> str:
+    """``uri`` as a directory URI (ending in ``/``)."""
+    return uri if uri.endswith("/") else uri + "/"
 
 
 def _scheme(uri: object) -> str:

@@ -111,15 +111,18 @@ class ManagedReplica:
     """How it was started: ``cold`` (a new process) or ``standby`` (a standby one assigned)."""
     then_tier: str | None = None
     """``warm``: a warm spare started from nothing, demoted to warm once loaded."""
+    queued: str | None = None
+    """Why the backend has not started it yet (waiting for GPUs): ``starting`` to the
+    controller (counted as on its way), ``queued`` with this reason in its listing."""
 
     def public(self) -> dict[str, Any]:
         return {
             "replica_id": self.handle.replica_id,
             "model": self.model,
             "version": self.version,
-            "state": self.state,
+            "state": "queued" if self.queued else self.state,
             "tier": self.tier,
-            "reason": self.reason,
+            "reason": self.queued or self.reason,
             "pid": self.handle.pid,
             "port": self.handle.port,
             "url": self.handle.url,
@@ -508,7 +511,20 @@ class PoolsController:
 
     async def _check_starting(self) -> None:
         starting = [r for r in self.replicas.values() if r.state == "starting"]
-        await asyncio.gather(*(self._check_one(r) for r in starting))
+        for replica in starting:
+            self._note_queued(replica)
+        await asyncio.gather(*(self._check_one(r) for r in starting if r.queued is None))
+
+    def _note_queued(self, replica: ManagedReplica) -> None:
+        """Whether the backend still holds the replica back (its state says why); its
+        start time is when it leaves the queue, so a cold start's figure is its own."""
+        waiting = self.backend.waiting(replica.handle)
+        if waiting is not None and replica.queued is None:
+            self._event("queued", replica, reason=waiting)
+        elif waiting is None and replica.queued is not None:
+            replica.started_at = time.monotonic()
+            self._event("dequeued", replica, pid=replica.handle.pid, port=replica.handle.port)
+        replica.queued = waiting
 
     async def _check_one(self, replica: ManagedReplica) -> None:
         try:

@@ -152,7 +152,8 @@ class PoolMetrics:
         for replica in controller.replicas.values():
             tenant = self.tenant(replica.key[0])
             name = replica.key[1] or "(standby)"
-            labels = (tenant, name, replica.version or "-", replica.state, replica.tier)
+            state = "queued" if replica.queued else replica.state
+            labels = (tenant, name, replica.version or "-", state, replica.tier)
             counts[labels] = counts.get(labels, 0) + 1
             self.replica_seconds.labels(tenant, name, replica.version or "-", replica.tier).inc(dt)
             key = (tenant, name, replica.version or "-")

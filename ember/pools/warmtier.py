@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Gauge
 
 from ember.loader.cache import CacheKey, WeightCache
+from ember.loader.manifest import is_shard
 from ember.loader.warmset import WarmSet
 from ember.logs import get_logger
 
@@ -41,7 +42,10 @@ class SharedWarmTier:
         self.every_s = every_s
         self.last_demand: dict[Key, float] = {}
         self.held: frozenset[tuple[str, str, str]] = frozenset()
-        """(model, version, sha256) held after the last sync (read on the event loop)."""
+        """(model, version, sha256) held whole after the last sync (read on the event
+        loop); a directory version's sha256 is its manifest's, held when all its shards are."""
+        self._shards: dict[tuple[str, str, str], int] = {}
+        """Entries each wanted version needs held (a directory version: its shards)."""
         self._last = -math.inf
         self._task: asyncio.Task[list[CacheKey]] | None = None
         self._bytes: Gauge | None = None
@@ -79,13 +83,18 @@ class SharedWarmTier:
             if r.state == "ready" and r.tier in ("hot", "warm")
         }
         ranked: list[tuple[float, int, CacheKey]] = []
+        shards: dict[tuple[str, str, str], int] = {}
         for key, view in controller.deployments.items():
             for version, weight in view.traffic.items():
-                sha256 = str(view.specs.get(version, {}).get("sha256") or "")
+                spec = view.specs.get(version, {})
+                sha256 = str(spec.get("sha256") or "")
                 if weight <= 0 or (key, version) in live or len(sha256) != 64:
                     continue
                 last = self.last_demand.get((key, version), -math.inf)
-                ranked.append((-last, len(ranked), CacheKey(view.model, version, sha256, key[0])))
+                keys = _weight_keys(view.model, version, sha256, key[0], spec)
+                shards[(view.model, version, sha256)] = len(keys)
+                ranked += [(-last, len(ranked), k) for k in keys]
+        self._shards = shards
         return [k for _, _, k in sorted(ranked)]
 
     def tick(self, controller: PoolsController) -> None:
@@ -116,7 +125,11 @@ class SharedWarmTier:
         except Exception:  # a bad sync must not stop the controller; the next one retries
             log.exception("warm set sync failed")
             return
-        self.held = frozenset((k.model, k.version, k.sha256) for k in keys)
+        counts: dict[tuple[str, str, str], int] = {}
+        for k in keys:
+            ident = (k.model, k.version, k.manifest or k.sha256)
+            counts[ident] = counts.get(ident, 0) + 1
+        self.held = frozenset(i for i, n in counts.items() if n >= self._shards.get(i, 1))
         if self._bytes is not None and self._versions is not None:
             self._bytes.set(self.warm_set.bytes_held)
             self._versions.set(len(keys))
@@ -125,3 +138,18 @@ class SharedWarmTier:
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
         await asyncio.to_thread(self.warm_set.close)
+
+
+def _weight_keys(
+    model: str, version: str, sha256: str, tenant: int, spec: dict[str, object]
+) -> list[CacheKey]:
+    """The cache entries of a version's weights: its one file, or a directory version's
+    top-level shards (``ember.loader.manifest``), keyed by the manifest."""
+    uri, files = str(spec.get("artifact_uri") or ""), spec.get("files")
+    if not uri.endswith("/") or not isinstance(files, list):
+        return [CacheKey(model, version, sha256, tenant)]
+    return [
+        CacheKey(model, version, str(f["sha256"]), tenant, sha256)
+        for f in files
+        if isinstance(f, dict) and is_shard(str(f.get("path", ""))) and "/" not in str(f["path"])
+    ]

@@ -115,15 +115,17 @@ def register_version(
         version = ModelVersion(
             model_id=model.id or 0,
             version=body.version,
-            artifact_uri=body.artifact_uri,
+            artifact_uri=info.uri,  # a directory's ends in "/"
             engine=body.engine,
             engine_config=body.engine_config,
             input_schema=body.input_schema,
             output_schema=body.output_schema,
             expected_sha256=body.sha256,
         )
+        if info.uri.endswith("/") and info.size > settings.validate_inline_max_bytes:
+            validation.check_directory(info.uri, settings, confine)  # its shape: a 422 now
         if info.size <= settings.validate_inline_max_bytes:
-            facts = validation.inspect_artifact(body.artifact_uri, settings, body.sha256, confine)
+            facts = validation.inspect_artifact(info.uri, settings, body.sha256, confine)
             validation.apply_facts(version, facts)
         session.add(version)
         try:
@@ -132,7 +134,7 @@ def register_version(
             raise Conflict(
                 f"version {body.version!r} of model {model.name!r} already exists"
             ) from exc
-        log.info("version registered", status=version.status.value, uri=body.artifact_uri)
+        log.info("version registered", status=version.status.value, uri=info.uri)
     return version
 
 
@@ -201,6 +203,7 @@ def version_spec(model: Model, row: ModelVersion, hardware: str | None = None) -
         "version": row.version,
         "artifact_uri": row.artifact_uri,
         "sha256": row.sha256 or "",
+        "files": row.files,
         "engine": row.engine,
         "engine_config": row.engine_config,
         "input_schema": row.input_schema,

@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from ember.engine.spec import ENGINE_OPTIONS
+from ember.loader.manifest import ManifestFile
 from ember.registry.tables import KeyScope, VersionStatus
 from ember.registry.trust import FACTORY_PATTERN
 
@@ -150,13 +151,18 @@ class ModelPublic(Public):
 
 class ModelVersionCreate(Input):
     version: VersionName
-    artifact_uri: Annotated[str, StringConstraints(min_length=6, max_length=2048)]
+    artifact_uri: Annotated[str, StringConstraints(min_length=6, max_length=2048)] = Field(
+        description="A `.safetensors` file, or a directory (ending in `/`: every file of a "
+        "checkpoint, e.g. shards, index, config and tokenizer) in an allowed store location."
+    )
     engine: EngineName
     engine_config: JsonObject = Field(default_factory=dict)
     input_schema: JsonObject | None = None
     output_schema: JsonObject | None = None
     sha256: Sha256 | None = Field(
-        None, description="Expected digest; registration fails if the artifact's differs."
+        None,
+        description="Expected digest (a directory's: its manifest's, `Manifest.digest`); "
+        "registration fails if the artifact's differs.",
     )
 
     @model_validator(mode="after")
@@ -214,8 +220,12 @@ class ModelVersionPublic(Public):
     status: VersionStatus
     status_reason: str | None
     sha256: str | None
+    """The weights' digest; a directory version's manifest digest (its identity)."""
     size_bytes: int | None
     tensor_count: int | None
+    files: list[ManifestFile] | None = None
+    """The version's manifest: every file with its size and sha256 (a directory version's
+    whole directory; a single-file version's weights and the sidecars beside them)."""
     cost_models: dict[str, CostModelPublic] = Field(default_factory=dict)
     created_at: datetime
     validated_at: datetime | None
@@ -228,8 +238,9 @@ MAX_SAFE_DEFAULT_BYTES = 16_384
 
 
 class Placement(Input):
-    """Where and how big each replica runs on a cluster (the Kubernetes replica backend;
-    the local backend ignores it)."""
+    """Where and how big each replica runs: on Kubernetes its node, GPUs and resources;
+    on the local backend its threads, and ``gpus`` whole devices of the host where
+    ``accelerator`` is set (``ember.pools.backends.local``)."""
 
     accelerator: str | None = Field(
         None,
@@ -287,8 +298,8 @@ class PoolPolicy(Input):
     )
     placement: Placement = Field(
         default_factory=Placement,
-        description="GPU type and resources of each replica on Kubernetes; its threads "
-        "(on the local backend too).",
+        description="GPU type and resources of each replica on Kubernetes; its threads, and "
+        "`gpus` whole GPUs of the host where `accelerator` is set, on the local backend too.",
     )
 
     @property

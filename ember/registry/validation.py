@@ -11,14 +11,33 @@ import hashlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import unquote
 
 from sqlalchemy import Engine
 from sqlmodel import select
 
 from ember.config import Settings
-from ember.errors import ArtifactError, EmberError, LoaderError
-from ember.loader.safetensors import PREFIX_BYTES, parse_header, read_header_len
-from ember.loader.stores import ObjectInfo, open_store, under_tenant_prefix
+from ember.errors import (
+    ArtifactError,
+    EmberError,
+    LoaderError,
+    ObjectNotFound,
+    StoreAccessDenied,
+)
+from ember.loader.manifest import (
+    MAX_SIDECAR_BYTES,
+    SIDECARS,
+    Manifest,
+    ManifestFile,
+    check_index,
+    check_path,
+    is_index,
+    is_shard,
+    max_index_bytes,
+)
+from ember.loader.safetensors import PREFIX_BYTES, Header, parse_header, read_header_len
+from ember.loader.stores import ObjectInfo, ObjectStore, open_store, shown, under_tenant_prefix
 from ember.logs import get_logger, model_context
 from ember.registry.db import session_scope
 from ember.registry.tables import Model, ModelVersion, Tenant, VersionStatus
@@ -29,40 +48,153 @@ log = get_logger(__name__)
 @dataclass(frozen=True, slots=True)
 class ArtifactFacts:
     sha256: str
+    """The weights' digest; a directory version's manifest digest."""
     size_bytes: int
     tensor_count: int
     etag: str
+    files: list[dict[str, Any]] | None = None
+    """The manifest (``ModelVersion.files``)."""
 
 
 def locate(uri: str, settings: Settings, tenant: str | None = None) -> ObjectInfo:
     """Cheap checks done before anything is stored: allowed location (with ``tenant``:
     under that tenant's own prefix, checked before the object is looked at, so a refusal
-    says nothing of what exists there), object exists."""
-    return open_store(uri, settings, tenant=tenant).stat(uri)
+    says nothing of what exists there), object exists. A directory (a URI ending in ``/``,
+    or one naming a directory or S3 prefix) is listed: its info carries the directory's
+    URI, ending in ``/``, and the size of all its files."""
+    store = open_store(uri, settings, tenant=tenant)
+    if not uri.endswith("/"):
+        try:
+            return store.stat(uri)
+        except ObjectNotFound:
+            try:
+                listing = store.list_dir(uri + "/", settings.manifest_max_files)
+            except ObjectNotFound:
+                raise ObjectNotFound(f"no object at {shown(uri)}") from None
+            uri += "/"
+    else:
+        listing = store.list_dir(uri, settings.manifest_max_files)
+    digest = hashlib.sha256("\0".join(f"{p}\0{i.etag}" for p, i in listing).encode())
+    return ObjectInfo(uri, sum(i.size for _, i in listing), digest.hexdigest())
 
 
 def inspect_artifact(
     uri: str, settings: Settings, expected_sha256: str | None, tenant: str | None = None
 ) -> ArtifactFacts:
-    """Read the header defensively and digest the whole object (streamed, never in memory).
+    """Read the header(s) defensively and digest every byte (streamed, never in memory).
     With ``tenant``, every read is confined to that tenant's prefix, as ``locate``."""
     store = open_store(uri, settings, tenant=tenant)
+    if uri.endswith("/"):
+        return _inspect_directory(store, uri, settings, expected_sha256)
     info = store.stat(uri)
-    prefix = store.read_range(uri, 0, min(PREFIX_BYTES, info.size), etag=info.etag)
-    header_len = read_header_len(prefix, info.size, settings.artifact_max_header_bytes)
-    header = parse_header(
-        store.read_range(uri, PREFIX_BYTES, header_len, etag=info.etag), info.size
-    )
-    digest = hashlib.sha256()
-    for _, part in store.iter_parts(uri, info):  # every part is read against info.etag
-        digest.update(part)
-    sha256 = digest.hexdigest()
+    header = _read_header(store, info, settings)
+    sha256 = _digest(store, info)
     if expected_sha256 is not None and sha256 != expected_sha256:
         raise ArtifactError(
             f"sha256 mismatch: the artifact's digest is {sha256}, the registration said "
             f"{expected_sha256}"
         )
-    return ArtifactFacts(sha256, info.size, len(header.tensors), info.etag)
+    files = [ManifestFile(path=_basename(uri), size=info.size, sha256=sha256)]
+    base = uri.rsplit("/", 1)[0]
+    for name in SIDECARS:  # what an engine reads beside the weights: verified at load
+        try:
+            side = store.stat(f"{base}/{name}")
+        except (ObjectNotFound, StoreAccessDenied):
+            continue
+        if side.size > MAX_SIDECAR_BYTES:
+            raise ArtifactError(f"{name} beside the weights is {side.size} bytes, more than "
+                                f"{MAX_SIDECAR_BYTES}")  # fmt: skip
+        files.append(ManifestFile(path=name, size=side.size, sha256=_digest(store, side)))
+    return ArtifactFacts(
+        sha256, info.size, len(header.tensors), info.etag, [f.model_dump() for f in files]
+    )
+
+
+def _basename(uri: str) -> str:
+    return unquote(uri.rsplit("/", 1)[-1])
+
+
+def _digest(store: ObjectStore, info: ObjectInfo) -> str:
+    digest = hashlib.sha256()
+    for _, part in store.iter_parts(info.uri, info):  # every part is read against info.etag
+        digest.update(part)
+    return digest.hexdigest()
+
+
+def _read_header(store: ObjectStore, info: ObjectInfo, settings: Settings) -> Header:
+    prefix = store.read_range(info.uri, 0, min(PREFIX_BYTES, info.size), etag=info.etag)
+    header_len = read_header_len(prefix, info.size, settings.artifact_max_header_bytes)
+    return parse_header(
+        store.read_range(info.uri, PREFIX_BYTES, header_len, etag=info.etag), info.size
+    )
+
+
+def _inspect_directory(
+    store: ObjectStore, uri: str, settings: Settings, expected: str | None
+) -> ArtifactFacts:
+    """A directory version: list, check the layout from the paths, every shard's header
+    and the index against them, then digest every file (``ember.loader.manifest``). Each
+    error names the file (and the tensor) at fault; nothing beyond the files' sizes is
+    read or allocated."""
+    infos, headers = _directory_structure(store, uri, settings)
+    top = {p: h for p, h in headers.items() if "/" not in p}
+    with ThreadPoolExecutor(4, thread_name_prefix="ember-digest") as pool:
+        digests = dict(zip(infos, pool.map(lambda i: _digest(store, i), infos.values()),
+                           strict=True))  # fmt: skip
+    manifest = Manifest.of(
+        ManifestFile(path=p, size=i.size, sha256=digests[p]) for p, i in infos.items()
+    )
+    if expected is not None and manifest.digest != expected:
+        raise ArtifactError(
+            f"sha256 mismatch: the manifest's digest is {manifest.digest}, the registration "
+            f"said {expected}"
+        )
+    return ArtifactFacts(
+        manifest.digest, manifest.size, sum(len(h.tensors) for h in top.values()),
+        manifest.digest, [f.model_dump() for f in manifest.files],
+    )  # fmt: skip
+
+
+def check_directory(uri: str, settings: Settings, tenant: str | None = None) -> None:
+    """A directory version's structure (paths, every shard's header, the index), checked
+    before a large one is stored ``pending``: what is wrong with its shape is a 422 at
+    once; only the digests are left to the background."""
+    _directory_structure(open_store(uri, settings, tenant=tenant), uri, settings)
+
+
+def _directory_structure(
+    store: ObjectStore, uri: str, settings: Settings
+) -> tuple[dict[str, ObjectInfo], dict[str, Header]]:
+    listing = store.list_dir(uri, settings.manifest_max_files)
+    infos = {check_path(path): info for path, info in listing}
+    # The layout from the paths alone, before a byte is read (sizes and digests to come).
+    Manifest.of(ManifestFile(path=p, size=i.size, sha256="0" * 64) for p, i in infos.items()
+                ).check_layout()  # fmt: skip
+    headers: dict[str, Header] = {}
+    for path, info in infos.items():
+        if is_shard(path):
+            try:
+                headers[path] = _read_header(store, info, settings)
+            except ArtifactError as exc:
+                raise ArtifactError(
+                    f"{path}: {exc.detail}", **{**exc.extra, "file": path}
+                ) from None
+    for path, info in infos.items():
+        if not is_index(path):
+            continue
+        folder = path.rsplit("/", 1)[0] + "/" if "/" in path else ""
+        shards = {p.removeprefix(folder): h for p, h in headers.items()
+                  if p.startswith(folder) and "/" not in p.removeprefix(folder)}  # fmt: skip
+        bound = max_index_bytes(shards, settings.artifact_max_header_bytes)
+        if info.size > bound:  # refused before a byte of it is read
+            raise ArtifactError(
+                f"{path}: {info.size} bytes, more than an index of these "
+                f"{sum(len(h.tensors) for h in shards.values())} tensors can need ({bound})",
+                file=path,
+            )
+        check_index(path, store.read_range(info.uri, 0, info.size, etag=info.etag), shards,
+                    limit=settings.artifact_max_header_bytes)  # fmt: skip
+    return infos, headers
 
 
 def apply_facts(version: ModelVersion, facts: ArtifactFacts) -> None:
@@ -70,6 +202,7 @@ def apply_facts(version: ModelVersion, facts: ArtifactFacts) -> None:
     version.size_bytes = facts.size_bytes
     version.tensor_count = facts.tensor_count
     version.etag = facts.etag
+    version.files = facts.files
     version.status = VersionStatus.ready
     version.status_reason = None
     version.validated_at = datetime.now(UTC)

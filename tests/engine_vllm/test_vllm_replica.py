@@ -206,7 +206,7 @@ def test_weights_came_through_embers_loader(replica: Replica) -> None:
     assert report["tensors"] > 0
     cached = list((replica.data_dir / "cache").rglob("*.safetensors"))
     assert cached, "the verified weights sit in Ember's cache"
-    sidecars = replica.data_dir / "cache" / "sidecars" / MODEL / VERSION
+    sidecars = replica.data_dir / "cache" / "sidecars" / MODEL / VERSION / report["sha256"]
     assert (sidecars / "config.json").exists() and not list(sidecars.glob("*.safetensors"))
 
 

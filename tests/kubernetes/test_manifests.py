@@ -251,3 +251,22 @@ def test_a_wider_replica_network_policy_is_reported(base: list[dict[str, Any]]) 
     del policies["ember-engine-egress"]
     errors = "\n".join(checks.check_engine_network({"NetworkPolicy": policies}, "9000"))
     assert "no NetworkPolicy restricts egress of the replica pods" in errors
+
+
+@pytest.mark.parametrize(
+    "placement",
+    [Placement(accelerator="nvidia-l40s", gpus=n) for n in (0, 1, 4)] + [Placement(gpus=2)],
+)
+def test_a_pod_asks_for_the_gpus_the_local_backend_would_give(placement: Placement) -> None:
+    # One reading of a placement on both backends: ``gpus`` devices where it names an
+    # accelerator (nvidia.com/gpu here, CUDA_VISIBLE_DEVICES there), and --device cuda.
+    from ember.pools.backends.local import gpus_asked
+
+    kind = m.ReplicaKind(1, "search", "minilm", "2", SPEC, placement, (32, 5.0, 1024))
+    container = m.deployment(kind, POD)["spec"]["template"]["spec"]["containers"][0]
+    limits, requests = container["resources"]["limits"], container["resources"]["requests"]
+    want = gpus_asked(placement)
+    assert limits.get(m.GPU_TAINT, 0) == requests.get(m.GPU_TAINT, 0) == want
+    assert ("--device" in container["args"]) == (want > 0)
+    if want:
+        assert container["args"][container["args"].index("--device") + 1] == "cuda"

@@ -175,7 +175,7 @@ def test_cli_ls_warm_evict(
 ) -> None:
     uri, digest, _ = artifact
     monkeypatch.setenv("EMBER_DATA_DIR", str(settings.data_dir))
-    app = make_cache_app(lambda s, model, version: (uri, digest))
+    app = make_cache_app(lambda s, model, version: (uri, digest, None))
     runner = CliRunner()
     warm = runner.invoke(app, ["warm", "m:1"])
     assert warm.exit_code == 0, warm.output

@@ -33,6 +33,29 @@ def build_mlp_artifact(path: Path, seed: int = 0, **kwargs: int) -> Path:
     return path
 
 
+def build_mlp_directory(folder: Path, seed: int = 0, shards: int = 3, **kwargs: int) -> Path:
+    """The MLP as a sharded checkpoint in the layout every large model ships in:
+    ``model-0000i-of-0000n.safetensors`` shards and ``model.safetensors.index.json``, split
+    the way ``save_pretrained`` splits (``huggingface_hub``'s splitter), plus a
+    ``config.json``. Returns the directory."""
+    import json
+
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    torch.manual_seed(seed)
+    state = {k: v.contiguous() for k, v in mlp(**kwargs).state_dict().items()}
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    split = split_torch_state_dict_into_shards(state, max_shard_size=max(1, total // shards))
+    folder.mkdir(parents=True, exist_ok=True)
+    for filename, names in split.filename_to_tensors.items():
+        save_file({n: state[n] for n in names}, str(folder / filename), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": {"total_size": total}, "weight_map": split.tensor_to_filename}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (folder / "config.json").write_text(json.dumps({"model_type": "mlp", **kwargs}))
+    return folder
+
+
 class SlowMLP(torch.nn.Module):
     """The MLP plus a fixed delay per forward pass: makes queueing observable in tests
     (a real module with real weights; the sleep stands in for a bigger model)."""

@@ -50,8 +50,8 @@ class LaunchOptions:
     """The Ember deployment the replica serves (cluster backends label and group by it)."""
     placement: Placement | None = None
     """The deployment's placement policy (GPU type, resources, threads); the local backend
-    uses only ``threads`` (a standby process gets them, with the batch policy, from the
-    controller's ``/assign``)."""
+    uses ``threads`` (a standby process gets them, with the batch policy, from the
+    controller's ``/assign``) and the GPU count (``ember.pools.backends.local``)."""
     reserve_bytes: int = 0
     """A standby process: host memory to fault in ahead for the weights it may be given
     (``HostReserve``); the local backend passes it, others ignore it."""
@@ -128,6 +128,11 @@ class ReplicaBackend(ABC):
 
     def assigned(self, handle: ReplicaHandle, spec: dict[str, Any], options: LaunchOptions) -> None:
         """The controller gave standby ``handle`` a version (cluster backends relabel it)."""
+        return None
+
+    def waiting(self, handle: ReplicaHandle) -> str | None:
+        """Why the replica has not started yet — queued for capacity the backend hands out
+        itself, such as the local backend's GPUs — or None once it has (or never waited)."""
         return None
 
     def exit_reason(self, handle: ReplicaHandle) -> str | None:

@@ -7,6 +7,25 @@ API runs as root — an unprivileged uid of its tenant's (``EMBER_REPLICA_USER``
 replica is started as it, a standby process drops to it on ``/assign``. The registry and
 the other files of the data directory are left readable by the API's user only; each
 tenant's weight cache is a directory of its own that only its uid can open.
+
+GPUs (``EMBER_GPUS``, ``ember.pools.backends.gpus``): a replica whose deployment's
+placement names an ``accelerator`` with ``gpus`` > 0 gets that many whole devices of this
+host — any of them: the accelerator's type is matched by a cluster's node labels, not
+here — as its ``CUDA_VISIBLE_DEVICES`` (UUIDs where NVML found the devices), and runs
+``--device cuda``. Every other replica and every standby process gets
+``CUDA_VISIBLE_DEVICES=""`` — none of the API's own — and runs on the CPU. A device is
+held from its replica's start until the process is seen gone (stopped, killed or dead), so
+no device is ever given twice. A replica that does not fit is not started: it waits in
+arrival order, none overtaking another (``waiting`` says why; the controller lists it as
+``queued``), and starts once its devices are free. One that asks for more GPUs than the
+host has at all — on a host without GPUs, any — is refused at once: ``exited`` reports it
+gone, ``exit_reason`` why. Consequences: a version that needs GPUs never takes a standby
+process (standby processes are generic and hold no device: one held idle for a version
+that may never come costs a whole GPU), so its replicas always start cold; a warm GPU
+replica keeps its devices (its weights are in pinned host memory, its device memory is
+released, the devices stay its own); and a new version of a deployment whose replicas hold
+every device waits, since the controller retires the old version only once the new one is
+ready — such a rollout needs free devices.
 """
 
 from __future__ import annotations
@@ -19,18 +38,27 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
 
 import ember
 from ember.config import Settings
 from ember.engine.privileges import blocked_for_others, raise_memlock, tenant_home
 from ember.engine.spec import REPLICA_SECRET_ENV
 from ember.loader.cache import tenant_cache_dir
-from ember.logs import get_logger
+from ember.logs import bound, get_logger, model_context
 from ember.pools.backends.base import LaunchOptions, ReplicaBackend, ReplicaHandle
+from ember.pools.backends.gpus import CUDA_VISIBLE, Gpu, GpuPool, discover
+
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    from ember.registry.schemas import Placement
 
 log = get_logger(__name__)
 
@@ -108,6 +136,33 @@ def _as_user(user: tuple[int, int] | None) -> dict[str, Any]:
     return {"user": user[0], "group": user[1], "extra_groups": []}
 
 
+def gpus_asked(placement: Placement | None) -> int:
+    """The devices a replica of ``placement`` needs here: ``gpus`` where it names an
+    ``accelerator`` (as the Kubernetes backend asks for ``nvidia.com/gpu``), else none."""
+    return placement.gpus if placement is not None and placement.accelerator else 0
+
+
+def _context(spec: dict[str, Any] | None) -> AbstractContextManager[None]:
+    """The log context of a replica of ``spec`` (a standby process: none)."""
+    if spec is None:
+        return bound()
+    return model_context(str(spec.get("model", "")), str(spec.get("version", "")))
+
+
+@dataclass
+class _Launch:
+    """A replica made ready to start: everything but its port and devices."""
+
+    handle: ReplicaHandle
+    exe: Path
+    args: list[str]
+    """``ember engine``'s arguments after ``--port``."""
+    env: dict[str, str]
+    home: Path
+    user: tuple[int, int] | None
+    spec: dict[str, Any] | None
+
+
 class LocalProcessBackend(ReplicaBackend):
     def __init__(self, settings: Settings, extra_env: dict[str, str] | None = None) -> None:
         self.settings = settings
@@ -115,6 +170,19 @@ class LocalProcessBackend(ReplicaBackend):
         self.dir.mkdir(parents=True, exist_ok=True)
         self.extra_env = extra_env or {}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._lock = threading.Lock()
+        """Guards the processes, the devices and the queue: the controller calls in from
+        its loop and from threads (``stop``)."""
+        self.gpus = GpuPool(discover(settings.gpus, os.environ))
+        self.queued: dict[str, _Launch] = {}
+        """Replicas waiting for devices, not started (``gpus.queue`` holds their order)."""
+        self.refused: dict[str, str] = {}
+        """Replicas that will never start here, with the reason."""
+        self._dying: dict[str, subprocess.Popen[bytes]] = {}
+        """Processes signalled to end: their devices are free once they are seen gone."""
+        inventory = self.gpus.inventory
+        log.info("gpus for local replicas", gpus=[g.public() for g in inventory.gpus],
+                 source=inventory.source, note=inventory.note or None)  # fmt: skip
         self._lock_down()
         self.users = self._replica_users()
         if self.users is not None:
@@ -227,47 +295,114 @@ class LocalProcessBackend(ReplicaBackend):
         return s.store_url.startswith("s3://") or bool(s.s3_endpoint_url or s.s3_allowed_buckets)
 
     def launch(self, spec: dict[str, Any] | None, options: LaunchOptions) -> ReplicaHandle:
-        replica_id = uuid.uuid4().hex[:10]
-        port = _free_port()
-        secret = secrets.token_urlsafe(32)
-        exe = self.executable(spec)
-        cmd = [str(exe), "engine", "--port", str(port), "--host", "127.0.0.1",
-               "--replica-id", replica_id]  # fmt: skip
+        """Start the replica now, or — one that needs GPUs not free yet — queue it (it
+        starts when they are); one that asks for more GPUs than the host has is refused
+        (``exited`` says so at once, ``exit_reason`` why)."""
+        handle = ReplicaHandle(uuid.uuid4().hex[:10], "", secret=secrets.token_urlsafe(32))
+        handle.extra["log"] = str(self.dir / f"{handle.replica_id}.log")
+        asked = gpus_asked(options.placement) if spec is not None else 0
+        refusal = self.gpus.refusal(asked)
+        if refusal is not None:
+            with self._lock:
+                self.refused[handle.replica_id] = refusal
+            with _context(spec):
+                log.warning("replica refused", replica_id=handle.replica_id, reason=refusal)
+            return handle
+        prepared = self._prepare(handle, spec, options)
+        with self._lock:
+            if not asked:
+                self._spawn(prepared, ())
+                return handle
+            self.gpus.ask(handle.replica_id, asked)
+            self.queued[handle.replica_id] = prepared
+            self._admit()
+            reason = self._waiting(handle.replica_id)
+        if reason is not None:
+            with _context(spec):
+                log.info("replica queued", replica_id=handle.replica_id, reason=reason)
+        return handle
+
+    def _prepare(
+        self, handle: ReplicaHandle, spec: dict[str, Any] | None, options: LaunchOptions
+    ) -> _Launch:
+        """Everything a replica's process needs but its port and devices: its arguments,
+        environment, home and user, and its spec file."""
+        args = ["--host", "127.0.0.1", "--replica-id", handle.replica_id]
         for name, value in options.replica_settings().items():
-            cmd += ["--" + name.replace("_", "-"), str(value)]
+            args += ["--" + name.replace("_", "-"), str(value)]
         user: tuple[int, int] | None = None
         if spec is None:
             home = _private_dir(self.dir / "home" / "standby", None)
-            env = self._env(secret, self._s3(None), home)
+            env = self._env(handle.secret, self._s3(None), home)
             env["EMBER_CACHE_DIR"] = str(self.settings.weight_cache_dir)
-            cmd.append("--standby")
+            args.append("--standby")
             if options.reserve_bytes > 0:
-                cmd += ["--reserve-bytes", str(options.reserve_bytes)]
+                args += ["--reserve-bytes", str(options.reserve_bytes)]
         else:
             home, cache = self._tenant_dirs(options.tenant_id)
             user = self.user_of(options.tenant_id)
             self._grant(spec, user)
-            env = self._env(secret, self._s3(spec), home)
+            env = self._env(handle.secret, self._s3(spec), home)
             env["EMBER_CACHE_DIR"] = str(cache)
-            spec_file = self.dir / f"{replica_id}.spec.json"
+            spec_file = self.dir / f"{handle.replica_id}.spec.json"
             fd = os.open(spec_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as out:
                 if user is not None:
                     os.fchown(out.fileno(), *user)
                 out.write(json.dumps(spec))
-            cmd += ["--spec-file", str(spec_file)]
-        log_path = self.dir / f"{replica_id}.log"
-        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            args += ["--spec-file", str(spec_file)]
+        return _Launch(handle, self.executable(spec), args, env, home, user, spec)
+
+    def _spawn(self, prepared: _Launch, devices: tuple[Gpu, ...]) -> None:
+        """Start the process on ``devices`` (none: the CPU, no device visible at all, the
+        API's own ``CUDA_VISIBLE_DEVICES`` notwithstanding). Called under the lock."""
+        handle, port = prepared.handle, _free_port()
+        cmd = [str(prepared.exe), "engine", "--port", str(port), *prepared.args]
+        if devices:
+            cmd += ["--device", "cuda"]
+        env = prepared.env | {CUDA_VISIBLE: ",".join(g.id for g in devices)}
+        fd = os.open(handle.extra["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         with os.fdopen(fd, "ab") as out:
             proc = subprocess.Popen(
-                cmd, env=env, cwd=home, stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True, **_as_user(user),
+                cmd, env=env, cwd=prepared.home, stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True, **_as_user(prepared.user),
             )  # fmt: skip
-        self.procs[replica_id] = proc
-        log.info("replica launched", replica_id=replica_id, pid=proc.pid, port=port,
-                 standby=spec is None, uid=user[0] if user else os.geteuid())  # fmt: skip
-        return ReplicaHandle(replica_id, f"http://127.0.0.1:{port}", proc.pid, port,
-                             {"log": str(log_path)}, secret=secret)  # fmt: skip
+        self.procs[handle.replica_id] = proc
+        handle.url, handle.pid, handle.port = f"http://127.0.0.1:{port}", proc.pid, port
+        handle.extra["gpus"] = [g.id for g in devices]
+        user = prepared.user
+        with _context(prepared.spec):
+            log.info("replica launched", replica_id=handle.replica_id, pid=proc.pid, port=port,
+                     standby=prepared.spec is None, uid=user[0] if user else os.geteuid(),
+                     gpus=handle.extra["gpus"])  # fmt: skip
+
+    def _admit(self) -> None:
+        """Free the devices of processes seen gone, then start the queued replicas that
+        fit now, first come first served. Called under the lock."""
+        for replica_id, proc in list(self._dying.items()):
+            if proc.poll() is not None:
+                del self._dying[replica_id]
+                self.gpus.release(replica_id)
+        for replica_id, devices in self.gpus.admit():
+            prepared = self.queued.pop(replica_id)
+            try:
+                self._spawn(prepared, devices)
+            except OSError as exc:  # its reason is shown to the tenant: no path in it
+                self.gpus.release(replica_id)
+                self.refused[replica_id] = f"the replica process did not start: {exc.strerror}"
+
+    def waiting(self, handle: ReplicaHandle) -> str | None:
+        with self._lock:
+            return self._waiting(handle.replica_id)
+
+    def _waiting(self, replica_id: str) -> str | None:
+        return self.gpus.waiting(replica_id) if replica_id in self.queued else None
+
+    def standby_can_take(
+        self, handle: ReplicaHandle, spec: dict[str, Any], options: LaunchOptions
+    ) -> bool:
+        """Never for a version that needs GPUs: standby processes hold no device."""
+        return gpus_asked(options.placement) == 0 and self.standby_can_run(spec)
 
     def assign_query(
         self, handle: ReplicaHandle, spec: dict[str, Any], options: LaunchOptions
@@ -291,10 +426,12 @@ class LocalProcessBackend(ReplicaBackend):
         if user is None or not store.startswith("file://") or not uri.startswith("file://"):
             return
         root = Path(store.removeprefix("file://")).resolve()
-        folder = Path(uri.removeprefix("file://")).resolve().parent
+        path = Path(unquote(uri.removeprefix("file://"))).resolve()
+        directory = uri.endswith("/")  # a directory version: all of its files, any depth
+        folder = path if directory else path.parent
         if not folder.is_relative_to(root) or not folder.is_dir():
             return
-        for entry in folder.iterdir():
+        for entry in folder.rglob("*") if directory else folder.iterdir():
             if entry.is_file() and not entry.is_symlink():
                 os.chown(entry, *user)
 
@@ -314,27 +451,73 @@ class LocalProcessBackend(ReplicaBackend):
         return self.executable(spec) == self.executable(None)
 
     def exited(self, handle: ReplicaHandle) -> int | None:
-        proc = self.procs.get(handle.replica_id)
-        return proc.poll() if proc is not None else -1
+        """The exit status once the process is gone (its devices are free from then on);
+        None while it runs or waits in the queue; 1 for a replica refused."""
+        replica_id = handle.replica_id
+        with self._lock:
+            self._admit()
+            if replica_id in self.queued:
+                return None
+            if replica_id in self.refused:
+                return 1
+            proc = self.procs.get(replica_id)
+            if proc is None:
+                return -1
+            status = proc.poll()
+            if status is not None and replica_id in self.gpus.held:
+                self.gpus.release(replica_id)
+                self._admit()
+            return status
+
+    def exit_reason(self, handle: ReplicaHandle) -> str | None:
+        with self._lock:
+            return self.refused.get(handle.replica_id)
+
+    def _take(self, replica_id: str) -> subprocess.Popen[bytes] | None:
+        """Forget the replica, a queued or refused one wholly; its process, if it has one,
+        to be ended (its devices are free once it is seen gone: ``_gone``)."""
+        with self._lock:
+            self.refused.pop(replica_id, None)
+            if self.queued.pop(replica_id, None) is not None:
+                self.gpus.release(replica_id)
+                self._admit()
+            return self.procs.pop(replica_id, None)
+
+    def _gone(self, replica_id: str, proc: subprocess.Popen[bytes]) -> None:
+        with self._lock:
+            self._dying[replica_id] = proc
+            self._admit()
 
     def stop(self, handle: ReplicaHandle, grace_s: float = 10.0) -> None:
-        proc = self.procs.pop(handle.replica_id, None)
-        if proc is None or proc.poll() is not None:
+        proc = self._take(handle.replica_id)
+        if proc is None:
             return
-        proc.terminate()
         try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(grace_s)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(5)
+        finally:
+            self._gone(handle.replica_id, proc)
 
     def kill(self, handle: ReplicaHandle) -> None:
-        proc = self.procs.pop(handle.replica_id, None)
-        if proc is None or proc.poll() is not None:
+        proc = self._take(handle.replica_id)
+        if proc is None:
             return
-        os.kill(proc.pid, signal.SIGKILL)  # works on a SIGSTOPped process too
-        proc.wait(5)
+        try:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)  # works on a SIGSTOPped process too
+                proc.wait(5)
+        finally:
+            self._gone(handle.replica_id, proc)
 
     def close(self) -> None:
+        with self._lock:
+            for replica_id in list(self.queued):
+                self.gpus.release(replica_id)
+            self.queued.clear()
         for replica_id in list(self.procs):
             self.stop(ReplicaHandle(replica_id, ""), grace_s=5)
