@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 import uuid
 from pathlib import Path
@@ -75,7 +76,10 @@ def _upload_input(api: EmberClient, path: Path) -> str:
 
     settings = load_settings()
     tenant = api.get("/v1/whoami")["tenant"]
-    uri = join_uri(input_prefix(settings, tenant), f"{uuid.uuid4().hex[:12]}-{path.name}")
+    # The object's name: the file's, with anything but letters, digits, '.', '_' and '-'
+    # replaced (a '?', '#' or '%' in a URI is refused), its extension (the format) kept.
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", path.name)[-120:]
+    uri = join_uri(input_prefix(settings, tenant), f"{uuid.uuid4().hex[:12]}-{name}")
     open_store(uri, settings).put_file(path, uri)
     return uri
 

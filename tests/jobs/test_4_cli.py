@@ -29,12 +29,13 @@ def test_jobs_commands(platform: Platform, tmp_path: Path) -> None:
     assert job["status"] == "succeeded" and job["version"] == "1"
 
     # A file over 1 MiB goes through the object store (job-inputs/<tenant>/) as input_uri.
-    big = tmp_path / "inputs.json"
+    big = tmp_path / "my inputs?#%.json"  # a name a URI could not carry as it is
     big.write_text(json.dumps({"instances": [X, X]}) + " " * (1024 * 1024 + 1))
     waited = ember(platform, "jobs", "submit", f"{MODEL}:1", "--input", str(big), "--wait")
     assert waited.returncode == 0, waited.stderr
     uploaded = json.loads(waited.stdout)
     assert "/job-inputs/default/" in uploaded["input_uri"] and uploaded["instances"] == 2
+    assert uploaded["input_uri"].endswith("-my_inputs___.json")
 
     out = tmp_path / "result.json"
     fetched = ember(platform, "jobs", "result", uploaded["id"], "-o", str(out))
