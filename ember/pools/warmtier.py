@@ -93,7 +93,7 @@ class SharedWarmTier:
                 last = self.last_demand.get((key, version), -math.inf)
                 keys = _weight_keys(view.model, version, sha256, key[0], spec)
                 shards[(view.model, version, sha256)] = len(keys)
-                ranked += [(-last, len(ranked), k) for k in keys]
+                ranked += [(-last, len(ranked) + i, k) for i, k in enumerate(keys)]
         self._shards = shards
         return [k for _, _, k in sorted(ranked)]
 
@@ -125,6 +125,10 @@ class SharedWarmTier:
         except Exception:  # a bad sync must not stop the controller; the next one retries
             log.exception("warm set sync failed")
             return
+        self.record(keys)
+
+    def record(self, keys: list[CacheKey]) -> None:
+        """What the last sync holds: a version counts as held when all its entries are."""
         counts: dict[tuple[str, str, str], int] = {}
         for k in keys:
             ident = (k.model, k.version, k.manifest or k.sha256)
@@ -132,7 +136,7 @@ class SharedWarmTier:
         self.held = frozenset(i for i, n in counts.items() if n >= self._shards.get(i, 1))
         if self._bytes is not None and self._versions is not None:
             self._bytes.set(self.warm_set.bytes_held)
-            self._versions.set(len(keys))
+            self._versions.set(len(self.held))
 
     async def close(self) -> None:
         if self._task is not None:
