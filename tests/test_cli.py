@@ -6,6 +6,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +27,7 @@ TORCH = ("--engine", "torch", "--engine-config", '{"factory": "ember.engine.exam
 def run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     full = {k: v for k, v in os.environ.items() if not k.startswith("EMBER_")} | env
     full["COLUMNS"] = "200"
+    full.setdefault("XDG_CACHE_HOME", str(Path(tempfile.gettempdir()) / "ember-test-cache"))
     return subprocess.run([EMBER, *args], env=full, capture_output=True, text=True, timeout=120)
 
 

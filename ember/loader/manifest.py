@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from functools import cached_property
 from typing import Any
 
@@ -257,3 +257,44 @@ def check_index(
                 f"are {data} bytes"
             )
     return {str(k): str(v) for k, v in weight_map.items()}
+
+
+def check_structure(
+    sizes: Mapping[str, int],
+    read_header: Callable[[str], Header],
+    read_index: Callable[[str], bytes],
+    *,
+    max_header_bytes: int,
+) -> dict[str, Header]:
+    """A directory's checks before its digests (the registry's on the store, ``ember
+    models push``'s on local files): the layout from the paths (``sizes``: path -> size),
+    every safetensors header (``read_header``, defensive), every index against the shards
+    beside it (``read_index``, called only for an index no larger than those shards could
+    need). Returns the headers by path; each error names the file (and the tensor)."""
+    for path in sizes:
+        check_path(path)
+    Manifest.of(ManifestFile(path=p, size=n, sha256="0" * 64) for p, n in sizes.items()
+                ).check_layout()  # fmt: skip
+    headers: dict[str, Header] = {}
+    for path in sizes:
+        if is_shard(path):
+            try:
+                headers[path] = read_header(path)
+            except ArtifactError as exc:
+                extra = {**exc.extra, "file": path}
+                raise ArtifactError(f"{path}: {exc.detail}", **extra) from None
+    for path, size in sizes.items():
+        if not is_index(path):
+            continue
+        folder = path.rsplit("/", 1)[0] + "/" if "/" in path else ""
+        shards = {p.removeprefix(folder): h for p, h in headers.items()
+                  if p.startswith(folder) and "/" not in p.removeprefix(folder)}  # fmt: skip
+        bound = max_index_bytes(shards, max_header_bytes)
+        if size > bound:  # refused before a byte of it is read
+            raise ArtifactError(
+                f"{path}: {size} bytes, more than an index of these "
+                f"{sum(len(h.tensors) for h in shards.values())} tensors can need ({bound})",
+                file=path,
+            )
+        check_index(path, read_index(path), shards, limit=max_header_bytes)
+    return headers

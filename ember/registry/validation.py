@@ -30,11 +30,7 @@ from ember.loader.manifest import (
     SIDECARS,
     Manifest,
     ManifestFile,
-    check_index,
-    check_path,
-    is_index,
-    is_shard,
-    max_index_bytes,
+    check_structure,
 )
 from ember.loader.safetensors import PREFIX_BYTES, Header, parse_header, read_header_len
 from ember.loader.stores import ObjectInfo, ObjectStore, open_store, shown, under_tenant_prefix
@@ -165,35 +161,18 @@ def check_directory(uri: str, settings: Settings, tenant: str | None = None) -> 
 def _directory_structure(
     store: ObjectStore, uri: str, settings: Settings
 ) -> tuple[dict[str, ObjectInfo], dict[str, Header]]:
-    listing = store.list_dir(uri, settings.manifest_max_files)
-    infos = {check_path(path): info for path, info in listing}
-    # The layout from the paths alone, before a byte is read (sizes and digests to come).
-    Manifest.of(ManifestFile(path=p, size=i.size, sha256="0" * 64) for p, i in infos.items()
-                ).check_layout()  # fmt: skip
-    headers: dict[str, Header] = {}
-    for path, info in infos.items():
-        if is_shard(path):
-            try:
-                headers[path] = _read_header(store, info, settings)
-            except ArtifactError as exc:
-                raise ArtifactError(
-                    f"{path}: {exc.detail}", **{**exc.extra, "file": path}
-                ) from None
-    for path, info in infos.items():
-        if not is_index(path):
-            continue
-        folder = path.rsplit("/", 1)[0] + "/" if "/" in path else ""
-        shards = {p.removeprefix(folder): h for p, h in headers.items()
-                  if p.startswith(folder) and "/" not in p.removeprefix(folder)}  # fmt: skip
-        bound = max_index_bytes(shards, settings.artifact_max_header_bytes)
-        if info.size > bound:  # refused before a byte of it is read
-            raise ArtifactError(
-                f"{path}: {info.size} bytes, more than an index of these "
-                f"{sum(len(h.tensors) for h in shards.values())} tensors can need ({bound})",
-                file=path,
-            )
-        check_index(path, store.read_range(info.uri, 0, info.size, etag=info.etag), shards,
-                    limit=settings.artifact_max_header_bytes)  # fmt: skip
+    infos = dict(store.list_dir(uri, settings.manifest_max_files))
+
+    def index(path: str) -> bytes:
+        info = infos[path]
+        return store.read_range(info.uri, 0, info.size, etag=info.etag)
+
+    headers = check_structure(
+        {p: i.size for p, i in infos.items()},
+        lambda path: _read_header(store, infos[path], settings),
+        index,
+        max_header_bytes=settings.artifact_max_header_bytes,
+    )
     return infos, headers
 
 
