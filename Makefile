@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: up test lint typecheck unit system-deps venv vllm-venv clean bench-loader bench-engine bench-serving bench-jobs bench-batch
+.PHONY: up test lint typecheck unit system-deps venv vllm-venv clean bench-loader bench-engine bench-serving bench-jobs bench-batch gpu-check
 
 ## up: install, start a local Redis if EMBER_REDIS_URL is unset, run Ember on :8000
 up: venv system-redis
@@ -74,6 +74,15 @@ bench-jobs: venv system-redis
 # Batch scoring: rows/s of a run vs row-by-row online and the engine's max. ARGS="--rows 50000"
 bench-batch: venv system-redis
 	$(PY) bench/batch.py $(ARGS)
+
+## gpu-check: on a machine with an NVIDIA GPU, the CUDA tests (tests/gpu) and the loader
+## and cold-start benches on the device, in under 8 minutes, ending in one JSON line. Finds
+## (or builds) an environment with a CUDA torch itself: no `venv` prerequisite, since such
+## a machine may have no network. GPU_CHECK_DEVICE=cpu: the same steps on the CPU (a dry
+## run). GPU_CHECK_ARGS: more flags (scripts/gpu_check.py --help). Not part of `make test`.
+GPU_CHECK_DEVICE ?= cuda
+gpu-check:
+	python3 scripts/gpu_check.py --device $(GPU_CHECK_DEVICE) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

@@ -23,10 +23,12 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, inspect
@@ -107,6 +109,8 @@ def run_worker(
     if parent_pid is not None:
         threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     celery, runner, sweeper, leases = build(settings)
+    alive = threading.Event()
+    threading.Thread(target=_keep_alive, args=(alive,), name="ember-alive", daemon=True).start()
     from ember.batch.shards import install as install_batch  # batch shards: same queue
 
     install_batch(celery, settings, runner.engine).start()
@@ -142,9 +146,38 @@ def run_worker(
             ]
         )
     finally:
+        alive.set()
+        alive_file().unlink(missing_ok=True)
         sweeper.stop.set()
         leases.stop.set()
         runner.close()
+
+
+ALIVE_EVERY_S = 10.0
+"""How often a running worker touches its liveness file."""
+
+
+def alive_file() -> Path:
+    """The file a running worker touches every ``ALIVE_EVERY_S`` and ``ember worker
+    --ping`` reads (in the container's own temp directory: one per host and user)."""
+    return Path(tempfile.gettempdir()) / f"ember-worker-{os.getuid()}.alive"
+
+
+def _keep_alive(stop: threading.Event) -> None:
+    path = alive_file()
+    while not stop.is_set():
+        path.touch()
+        stop.wait(ALIVE_EVERY_S)
+
+
+def worker_alive(max_age_s: float = 6 * ALIVE_EVERY_S) -> bool:
+    """Whether a worker of this host touched its liveness file within ``max_age_s``: the
+    worker pod's liveness probe (``ember worker --ping``; Celery's remote control, and so
+    its broadcast ping, is off)."""
+    try:
+        return time.time() - alive_file().stat().st_mtime <= max_age_s
+    except FileNotFoundError:
+        return False
 
 
 def _freeze_when_ready() -> Callable[..., None]:

@@ -12,13 +12,17 @@ from tests.api.conftest import ADMIN_KEY
 from tests.jobs.conftest import EMBER, MODEL, Platform, X
 
 
-def ember(platform: Platform, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EMBER_")} | {
+def _env(platform: Platform) -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("EMBER_")} | {
         "EMBER_URL": platform.live.url,
         "EMBER_API_KEY": ADMIN_KEY,
         "EMBER_DATA_DIR": str(platform.settings.data_dir),
         "COLUMNS": "250",
     }
+
+
+def ember(platform: Platform, *args: str) -> subprocess.CompletedProcess[str]:
+    env = _env(platform)
     return subprocess.run([EMBER, *args], env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -50,3 +54,15 @@ def test_jobs_commands(platform: Platform, tmp_path: Path) -> None:
     assert ember(platform, "jobs", "cancel", slow).returncode == 0
     cancelled = ember(platform, "jobs", "wait", slow)
     assert cancelled.returncode == 1 and "cancelled" in cancelled.stderr
+
+
+def test_worker_ping_is_a_liveness_check(platform: Platform, tmp_path: Path) -> None:
+    """`ember worker --ping` (the worker pod's liveness probe): 0 while a worker of this
+    host is alive, 1 where none runs (another temp directory: no liveness file)."""
+    alive = subprocess.run([EMBER, "worker", "--ping"], capture_output=True, text=True,
+                           timeout=60, env=_env(platform))  # fmt: skip
+    assert alive.returncode == 0, alive.stderr
+    elsewhere = _env(platform) | {"TMPDIR": str(tmp_path)}
+    dead = subprocess.run([EMBER, "worker", "--ping"], capture_output=True, text=True,
+                          timeout=60, env=elsewhere)  # fmt: skip
+    assert dead.returncode == 1 and "no live worker on this host" in dead.stderr

@@ -270,3 +270,23 @@ def test_a_pod_asks_for_the_gpus_the_local_backend_would_give(placement: Placeme
     assert ("--device" in container["args"]) == (want > 0)
     if want:
         assert container["args"][container["args"].index("--device") + 1] == "cuda"
+
+
+def test_vllm_versions_run_in_the_images_vllm_environment() -> None:
+    """The image keeps vLLM in a virtualenv of its own (the Dockerfile's cuda target):
+    a vLLM version's pod runs that ``ember``, every other pod the one on PATH, and a
+    standby pod (the generic runtime, no vLLM) never takes a vLLM version."""
+    placement = Placement(accelerator="nvidia-l40s", gpus=1)
+    for engine, exe in (("vllm", m.IMAGE_VLLM_EMBER), ("torch", "ember")):
+        kind = m.ReplicaKind(1, "chat", "llm", "1", {**SPEC, "engine": engine}, placement,
+                             (8, 5.0, 64))  # fmt: skip
+        container = m.deployment(kind, POD)["spec"]["template"]["spec"]["containers"][0]
+        assert container["command"] == [exe]
+    standby = m.ReplicaKind(0, "", "", "", None, placement, (8, 5.0, 64))
+    assert m.deployment(standby, POD)["spec"]["template"]["spec"]["containers"][0][
+        "command"] == ["ember"]  # fmt: skip
+    dockerfile = (Path(__file__).parents[2] / "Dockerfile").read_text()
+    assert m.IMAGE_VLLM_EMBER.removesuffix("/bin/ember") in dockerfile
+    backend = KubernetesBackend.__new__(KubernetesBackend)
+    assert not backend.standby_can_run({**SPEC, "engine": "vllm"})
+    assert backend.standby_can_run({**SPEC, "engine": "torch"})

@@ -154,6 +154,17 @@ def _env(kind: ReplicaKind, pod: PodSettings) -> list[dict[str, Any]]:
     ]
 
 
+IMAGE_VLLM_EMBER = "/opt/ember/.venv-vllm/bin/ember"
+"""The ``ember`` of vLLM's own virtualenv in Ember's image (the Dockerfile's ``cuda``
+target): vLLM versions run there, every other replica and standby pod in ``ember`` on PATH."""
+
+
+def _executable(kind: ReplicaKind) -> str:
+    return (
+        IMAGE_VLLM_EMBER if kind.spec is not None and kind.spec.get("engine") == "vllm" else "ember"
+    )
+
+
 def _container(kind: ReplicaKind, pod: PodSettings) -> dict[str, Any]:
     mounts: list[dict[str, Any]] = [
         {"name": "weight-cache", "mountPath": pod.cache_dir},
@@ -169,7 +180,7 @@ def _container(kind: ReplicaKind, pod: PodSettings) -> dict[str, Any]:
         "name": "engine",
         "image": pod.image,
         "imagePullPolicy": "IfNotPresent",
-        "command": ["ember"],
+        "command": [_executable(kind)],
         "args": _args(kind, pod),
         "ports": [{"name": "http", "containerPort": pod.port, "protocol": "TCP"}],
         "env": _env(kind, pod),

@@ -311,6 +311,11 @@ class KubernetesBackend(ReplicaBackend):
             log.info("replica pod requested", k8s_deployment=group, hardware=kind.hardware)
         return handle
 
+    def standby_can_run(self, spec: dict[str, Any]) -> bool:
+        """A standby pod runs the image's own ``ember``, which has no vLLM (vLLM versions
+        run in its own virtualenv: ``k8s_manifests.IMAGE_VLLM_EMBER``)."""
+        return spec.get("engine") != "vllm"
+
     def standby_can_take(
         self, handle: ReplicaHandle, spec: dict[str, Any], options: LaunchOptions
     ) -> bool:
@@ -319,7 +324,8 @@ class KubernetesBackend(ReplicaBackend):
             return False
         have, want = slot.kind.placement, options.placement or Placement()
         return (
-            have.accelerator == want.accelerator
+            self.standby_can_run(spec)
+            and have.accelerator == want.accelerator
             and (have.gpus == want.gpus or not want.accelerator)
             and have.cpu_cores >= want.cpu_cores
             and have.memory_gib >= want.memory_gib
