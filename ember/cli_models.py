@@ -517,3 +517,38 @@ def deployments_rm(name: str) -> None:
         client().delete(f"/v1/deployments/{name}")
         out.print(f"deleted deployment {name}")
 
+
+@deployments_app.command("autoscaler")
+def deployments_autoscaler(name: str, as_json: JsonOpt = False) -> None:
+    """What the autoscaler forecasts at each tier's horizon, wants per tier and why."""
+    with friendly_errors():
+        view: dict[str, Any] = client().get(f"/v1/deployments/{name}/autoscaler")
+        if as_json:
+            emit(view)
+            return
+        out.print(autoscaler_text(view))
+
+
+def autoscaler_text(view: dict[str, Any]) -> str:
+    """``GET /v1/deployments/{name}/autoscaler`` in a few lines."""
+    promo = view.get("promotion_s") or {}
+    lines = [
+        f"deployment {view.get('deployment')}, production version {view.get('version')}"
+        + ("" if view.get("acting", True) else " (this API process follows the leader)"),
+        "promotion to hot (learned p95): "
+        + ", ".join(f"{t} {promo.get(t)} s" for t in ("warm", "standby", "cold")),
+    ]
+    for s in view.get("forecast") or []:
+        lines.append(
+            f"  {s['tier']:8} covers {s['units_per_s']:.3g} u/s at +{s['horizon_s']:.3g} s "
+            f"(from {s['from']}) -> {s['replicas']}"
+        )
+    desired = view.get("desired")
+    if desired:
+        lines.append(
+            f"desired: hot {desired['hot']}, warm {desired['warm']}, standby {desired['standby']}"
+        )
+        lines += [f"  - {r}" for r in view.get("reasons") or []]
+    else:
+        lines.append("no decision yet (the autoscaler starts with the first tick)")
+    return "\n".join(lines)

@@ -125,6 +125,20 @@ class Settings(BaseSettings):
     wants more warm ones than demoting hot ones gives, as ``ember simulate`` assumes. Off by
     default: on CPU a warm replica holds as much memory as a hot one (on a GPU it frees the
     device memory)."""
+    scale_warm_cost: float = Field(0.1, ge=0, le=1)
+    """What a warm replica costs next to a hot one on this hardware (1 = as much): the
+    autoscaler keeps a warm buffer only where it is cheaper than hot. 0.1 where released
+    devices serve other models; 1.0 where a warm replica keeps its GPU (then the capacity
+    a forecast needs is kept hot, started one cold start ahead, and no warm spares)."""
+    scale_standby_cost: float = Field(0.03, ge=0, le=1)
+    """What a standby replica costs next to a hot one (kept as a buffer only where it is
+    cheaper than the tier above it)."""
+    scale_forecast_quantile: float = Field(0.8, ge=0.5, lt=1)
+    """Each tier covers this quantile of the forecast demand at its horizon, not the mean
+    (0.5: the mean)."""
+    scale_profile_period_s: float = Field(86_400.0, ge=600, le=86_400)
+    """Period of the autoscaler's daily profile (the weekly one is seven of them). Only
+    tests and demos change it, to compress a day."""
     warm_set_bytes: int = Field(4 * 1024**3, ge=0)
     """The shared warm tier (local backend): host RAM that holds the cached weights of
     versions with no hot or warm replica (most recently requested first), mapped and

@@ -119,7 +119,7 @@ def start_pools(settings: Settings, engine: Engine) -> Gateway:
     from ember.pools.admission import Admission
     from ember.pools.backends import create_backend, standby_pool
     from ember.pools.cache import ResponseCache
-    from ember.pools.controller import PoolsController, ProbeSettings
+    from ember.pools.controller import PoolsController, ProbeSettings, autoscale_knobs
     from ember.pools.gateway import Gateway
     from ember.pools.leader import election_for
     from ember.pools.predlog import PredictionLog
@@ -134,10 +134,7 @@ def start_pools(settings: Settings, engine: Engine) -> Gateway:
         standby_max=standby_max,
         probe=probe,
         leader=election_for(settings, backend),
-        autoscale={
-            "idle_hold_s": settings.scale_idle_hold_s,
-            "warm_keep_s": settings.scale_warm_keep_s,
-        },
+        autoscale=autoscale_knobs(settings),
         fill_warm=settings.scale_fill_warm,
         standby_reserve_max=settings.standby_reserve_max_bytes,
     )
@@ -151,6 +148,10 @@ def start_pools(settings: Settings, engine: Engine) -> Gateway:
         from ember.pools.demand import SharedDemand
 
         controller.shared_demand = SharedDemand(settings.redis_url)
+    if settings.redis_url:  # the autoscalers' learned state survives restarts and leaders
+        from ember.pools.demand import ForecastStore
+
+        controller.forecast_store = ForecastStore(settings.redis_url)
     controller.start()
     admission = Admission(settings.tenant_units_per_s, settings.tenant_burst_units)
     cache = ResponseCache(

@@ -15,16 +15,26 @@ inputs. The pools controller and the simulator both call it; nothing else change
 
 How ``decide`` works, all in model units per second:
 
-1. **Forecast** demand ``lead`` seconds ahead: level + trend (time-aware Holt smoothing)
-   scaled by a daily / weekly profile learned from history, and at least a **burst guard**
-   (a decaying envelope of the last ~10 s of demand, at full utilization).
-2. ``lead`` is the measured promotion time (p95) of the tier it would promote from: warm
-   if it holds a warm replica, else standby, else cold.
-3. Hot replicas = forecast over ``capacity x target_utilization``. A **queue** adds what
-   drains it within ``drain_s`` while arrivals go on at the forecast (hot headroom that
-   already does so adds nothing); async jobs drain within ``async_drain_s``. **Panic**
-   when the queue grows while demand exceeds hot capacity: size for the last tick's
-   demand and the queue at full utilization and never scale down meanwhile.
+1. **Forecast** demand at each tier's horizon: level + trend (time-aware Holt smoothing)
+   or the level moved by the daily / weekly profile's change from now to then (additive:
+   robust for sparse models), whichever is larger; each tier covers the
+   ``forecast_quantile`` of it (the mean plus the normal quantile of the short-window
+   demand's spread around the level), not the mean. Plus a **burst guard** (a decaying
+   envelope of the last ~10 s of demand, at full utilization).
+2. **Every tier staged for its own horizon** (a :class:`Stage` each): hot covers the
+   forecast one promotion from the next tier in use below it (``t + warm_s``), hot + warm
+   one from the next below that (``t + standby_s``), all three one cold start ahead
+   (``t + cold_s``), each horizon with a ``stage_margin`` and a tick. Hot looks at least
+   as far as the tier it would promote from now (a cold start with no warm or standby
+   replica ready). **Cost-aware**: a tier that costs as much as the faster one above it
+   (``warm_cost``, ``standby_cost``; with dedicated GPUs both are 1) is not used as a
+   buffer -- the faster tier covers its horizon, and no spares are kept in it.
+3. Hot replicas = the hot stage's forecast over ``capacity x target_utilization``. A
+   **queue** adds what drains it within ``drain_s`` while arrivals go on at the forecast
+   (hot headroom that already does so adds nothing); async jobs drain within
+   ``async_drain_s``. **Panic** when the queue grows while demand exceeds hot capacity:
+   size for the last tick's demand and the queue at full utilization and never scale
+   down meanwhile.
 4. Scale-down only after ``stabilization_s`` (the most hot replicas the forecast
    recommended in that window stays; queue and panic capacity after ``burst_hold_s``; the
    burst guard's as its envelope decays, over ``burst_decay_s``), ``idle_hold_s``
@@ -32,17 +42,24 @@ How ``decide`` works, all in model units per second:
    hot replica becomes warm, stays warm for ``warm_keep_s``, then standby until
    ``standby_keep_s`` (by default no longer: the standby tier is the shared pool), then
    goes. Scale-up is at once.
-5. **Warm buffer, burst-aware**: while the model is in use, hot + warm can carry the
-   largest single-tick demand of the recent past (``surge``, forgotten over
-   ``surge_decay_s``) at full utilization, so a burst is met by warm promotions (one tick
-   + ``warm_s``), not by cold starts; plus ``warm_spare_fraction`` spares.
-6. ``min_hot`` floor, ``max_replicas`` cap (hot + warm + standby). A model that opts out
-   of the hot floor (``scale_to_zero``) keeps ``min_warm`` warm replicas while it was
-   used within ``warm_keep_s`` or it was used at this time of day on most recent days
+5. **Warm buffer, burst-aware** (where warm is worth its cost): hot + warm cover the warm
+   stage; while the model is in use they also carry the largest single-tick demand of the
+   recent past (``surge``, forgotten over ``surge_decay_s``) at full utilization, so a
+   burst is met by warm promotions, not by cold starts; plus ``warm_spare_fraction``
+   spares. Standby covers the standby stage where it is worth its cost.
+6. ``min_hot`` floor, ``max_replicas`` cap (hot + warm + standby), **scheduled floors**
+   (``schedules``: cron, time zone, duration, ``min_hot``, ``min_warm``), each applied
+   ahead by the promotion time of the tier that fills it. A model that opts out of the
+   hot floor (``scale_to_zero``) keeps ``min_warm`` warm replicas while it was used within
+   ``warm_keep_s`` or it was used at this time of day on most recent days
    (``predict_active_fraction`` of the daily activity profile, ``predict_horizon_s``
    ahead) -- otherwise a ``min_standby`` standby floor: a predicted-idle model waits a
    standby load, not a cold start, and costs a share of the (generic, shared) standby
    pool instead of a warm replica.
+
+The state (:class:`EmberState`) is plain data: :func:`state_to_dict` /
+:func:`state_from_dict` persist it (the pools controller keeps it in Redis, so a learned
+profile survives a restart and a change of leader).
 
 The policy only ever sees the past: observations up to ``now`` and what it learned
 from them.
@@ -50,11 +67,16 @@ from them.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from datetime import datetime
 from enum import StrEnum
+from statistics import NormalDist
 from typing import Any, Generic, TypeVar
+from zoneinfo import ZoneInfo
 
 from ember.logs import get_logger, model_context
 from ember.registry.schemas import PoolPolicy
@@ -161,12 +183,36 @@ class Decision(Generic[S]):
     next_eval_s: float = math.inf
     """Earliest time the decision can change if nothing arrives (a hint for simulators
     that skip idle stretches; a live controller just ticks)."""
+    stages: tuple[Any, ...] = ()
+    """Ember's policy: one :class:`Stage` per tier, what it was sized for."""
 
 
 Policy = Callable[[Observation, S, C, float], Decision[S]]
 
 
 # ----------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledFloor:
+    """A deployment's capacity schedule (``PoolPolicy.schedules``): from each ``cron`` fire
+    time (in ``timezone``) for ``duration_s``, at least ``min_hot`` hot and ``min_warm``
+    warm replicas."""
+
+    cron: str
+    timezone: str = "UTC"
+    duration_s: float = 3600.0
+    min_hot: int = 0
+    min_warm: int = 0
+
+    def active(self, at: float) -> bool:
+        """Whether ``at`` (epoch seconds) is within ``duration_s`` of a fire time."""
+        from croniter import croniter
+
+        # get_prev is strictly before its start: half a second on, a fire at ``at`` counts.
+        start = datetime.fromtimestamp(at + 0.5, ZoneInfo(self.timezone))
+        fired = croniter(self.cron, start).get_prev(datetime)
+        return bool(at - fired.timestamp() < self.duration_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,16 +279,44 @@ class EmberConfig:
     predict_active_fraction: float = 0.5
     """... "most": the EWMA (``profile_weight`` per day) of "had requests in this bin"."""
     tick_s: float = 1.0
+    warm_cost: float = 0.1
+    """Cost of a warm replica-second, hot = 1 (weights in host RAM, the device released to
+    other models). A tier that costs as much as the faster one above it is not used as a
+    buffer: what it would hold is kept in the faster tier, and its spares are not kept."""
+    standby_cost: float = 0.03
+    """Cost of a standby replica-second, hot = 1 (a process with its runtime, no weights)."""
+    forecast_quantile: float = 0.8
+    """Each tier covers this quantile of the forecast (normal, with the spread of the
+    short-window demand around the level), not its mean."""
+    stage_margin: float = 0.1
+    """Each tier's horizon is its promotion time times (1 + this) plus one tick: capacity is
+    ready a little before the forecast says it is needed, not exactly then."""
+    schedules: tuple[ScheduledFloor, ...] = ()
+    """Scheduled floors, each applied ahead by the promotion time of the tier it fills."""
 
     @classmethod
     def from_policy(cls, policy: PoolPolicy, **knobs: Any) -> EmberConfig:
+        schedules = tuple(
+            ScheduledFloor(s.cron, s.timezone, s.duration_s, s.min_hot, s.min_warm)
+            for s in policy.schedules
+        )
         return cls(
             min_hot=policy.min_hot,
             scale_to_zero=policy.scale_to_zero,
             max_replicas=policy.max_replicas,
             target_utilization=policy.target_utilization,
-            **knobs,
+            **({"schedules": schedules} | knobs),
         )
+
+    @property
+    def uses_warm(self) -> bool:
+        """Warm is a buffer worth keeping: cheaper than hot."""
+        return self.warm_cost < 1.0 - _EPS
+
+    @property
+    def uses_standby(self) -> bool:
+        """Standby is a buffer worth keeping: cheaper than the tier above it in use."""
+        return self.standby_cost < (self.warm_cost if self.uses_warm else 1.0) - _EPS
 
     @property
     def warm_floor(self) -> int:
@@ -276,6 +350,9 @@ class Forecaster:
     """Per period, units/s per bin (NaN: never seen)."""
     activity: tuple[float, ...] = ()
     """Per daily bin, EWMA of "had any demand" (NaN: never seen)."""
+    spread: float = 0.0
+    """EWMA (over ``level_tau_s``) of the squared gap between the short-window demand and
+    the level: the variance the forecast quantile adds."""
 
     def update(self, demand: float, dt: float, now: float, cfg: EmberConfig) -> Forecaster:
         level = self.level + (1.0 - math.exp(-dt / cfg.level_tau_s)) * (demand - self.level)
@@ -287,9 +364,11 @@ class Forecaster:
         # first arrival covers an instant).
         tick_demand = demand * dt / max(dt, cfg.tick_s)
         surge = max(tick_demand, self.surge * math.exp(-dt / cfg.surge_decay_s))
+        gap2 = (short - level) ** 2
+        spread = self.spread + (1.0 - math.exp(-dt / cfg.level_tau_s)) * (gap2 - self.spread)
         bin_start, bin_units, profiles, activity = self._roll_profile(demand * dt, now, cfg)
         return Forecaster(
-            level, trend, short, envelope, surge, bin_start, bin_units, profiles, activity
+            level, trend, short, envelope, surge, bin_start, bin_units, profiles, activity, spread
         )
 
     def _roll_profile(
@@ -323,19 +402,31 @@ class Forecaster:
             skipped += 1
         return newest, units, profiles, activity
 
-    def profile_ratio(self, now: float, lead: float, cfg: EmberConfig) -> float:
-        """Profile at ``now + lead`` over profile now (longest period with data; 1 if none)."""
+    def profile_step(self, now: float, lead: float, cfg: EmberConfig) -> float:
+        """Profile at ``now + lead`` less profile now, units/s (the longest period with data
+        in both bins; 0 if none). Additive, not a ratio: a sparse model's ratio of two
+        small, noisy bins would be a spike."""
         for prof in reversed(self.profiles):
             here = prof[_bin(now, len(prof), cfg)]
             there = prof[_bin(now + lead, len(prof), cfg)]
-            if not math.isnan(here) and not math.isnan(there) and here > 0:
-                return there / here
-        return 1.0
+            if not math.isnan(here) and not math.isnan(there):
+                return there - here
+        return 0.0
 
     def forecast(self, now: float, lead: float, cfg: EmberConfig) -> float:
+        """Mean demand at ``now + lead``: Holt's level + trend, or the level moved by the
+        daily / weekly profile's change from now to then, whichever is larger."""
         holt = self.level + self.trend * lead
-        seasonal = self.level * self.profile_ratio(now, lead, cfg)
+        seasonal = self.level + self.profile_step(now, lead, cfg)
         return max(holt, seasonal, 0.0)
+
+    def quantile(self, now: float, lead: float, cfg: EmberConfig) -> float:
+        """The ``forecast_quantile`` of demand at ``now + lead``: the mean plus the normal
+        quantile of the spread."""
+        mean = self.forecast(now, lead, cfg)
+        if cfg.forecast_quantile <= 0.5 or self.spread <= 0:
+            return mean
+        return mean + _z(cfg.forecast_quantile) * math.sqrt(self.spread)
 
     def active_ahead(self, now: float, horizon: float, cfg: EmberConfig) -> float:
         """How regularly the model had requests at this time of day (the most of the
@@ -350,6 +441,11 @@ class Forecaster:
             if not math.isnan(v) and v > best:
                 best = v
         return best
+
+
+@functools.lru_cache(maxsize=16)
+def _z(quantile: float) -> float:
+    return NormalDist().inv_cdf(min(quantile, 0.9999))
 
 
 def _bin(t: float, nbins: int, cfg: EmberConfig) -> int:
@@ -400,12 +496,58 @@ def _max_since(window: tuple[tuple[float, int], ...], since: float) -> int:
     return 0
 
 
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """What one tier (with the faster ones) is sized for: the forecast quantile at
+    ``horizon_s`` ahead (the promotion time of the tier it is filled from, plus margin)."""
+
+    tier: Tier
+    """The slowest tier of the stage: ``hot`` covers hot alone, ``warm`` hot + warm,
+    ``standby`` hot + warm + standby."""
+    source: Tier
+    """The tier it is filled from."""
+    promotion_s: float
+    horizon_s: float
+    forecast_units_per_s: float
+    replicas: int
+
+
+_STAGE_NAMES = {Tier.HOT: "hot", Tier.WARM: "hot+warm", Tier.STANDBY: "hot+warm+standby"}
+
+
 def _source_tier(obs: Observation) -> Tier:
     if obs.ready.warm > 0:
         return Tier.WARM
     if obs.ready.standby > 0:
         return Tier.STANDBY
     return Tier.COLD
+
+
+def _stages(
+    obs: Observation, fc: Forecaster, cfg: EmberConfig, now: float
+) -> tuple[Stage, Stage, Stage]:
+    """Every tier staged for its own horizon: hot covers the forecast one promotion from
+    the next tier in use below it (warm), hot + warm one from the next below that
+    (standby), all three one cold start ahead. A tier not worth its cost (see
+    ``EmberConfig.uses_warm``) is skipped: the tier above covers its horizon. Hot looks at
+    least as far ahead as the tier it would actually promote from now."""
+    p = obs.promotion
+    below_warm = Tier.STANDBY if cfg.uses_standby else Tier.COLD
+    below_hot = Tier.WARM if cfg.uses_warm else below_warm
+    source = _source_tier(obs)
+    hot_from = source if p.of(source) > p.of(below_hot) else below_hot
+    per = max(obs.capacity_units_per_s, _EPS) * cfg.target_utilization
+
+    def stage(tier: Tier, source: Tier, floor_s: float = 0.0) -> Stage:
+        promo = max(p.of(source), floor_s)
+        horizon = promo * (1.0 + cfg.stage_margin) + cfg.tick_s
+        f = fc.quantile(now, horizon, cfg)
+        return Stage(tier, source, promo, horizon, f, _ceil(f / per))
+
+    hot = stage(Tier.HOT, hot_from)
+    warm = stage(Tier.WARM, below_warm, hot.promotion_s)
+    total = stage(Tier.STANDBY, Tier.COLD, warm.promotion_s)
+    return hot, warm, total
 
 
 def decide(
@@ -417,16 +559,79 @@ def decide(
     fc = state.forecaster.update(demand, dt, now, cfg)
     # A new deployment counts as used now: it starts warm, not in the standby floor.
     last_arrival = now if demand > 0 or state.last_t is None else state.last_arrival_t
-    source = _source_tier(obs)
-    lead = obs.promotion.of(source)
-    forecast = fc.forecast(now, lead, cfg)
+    stages = _stages(obs, fc, cfg, now)
+    reasons: list[str] = [
+        f"forecast q{cfg.forecast_quantile:g} {s.forecast_units_per_s:.3g} u/s at "
+        f"+{s.horizon_s:.3g}s ({_STAGE_NAMES[s.tier]}, from {s.source} in "
+        f"{s.promotion_s:g}s) -> {s.replicas}"
+        for s in stages
+    ]
+    hot_stage = stages[0]
+    base, want, panic_until, idle = _hot_wanted(
+        obs, state, fc, cfg, now, hot_stage, last_arrival, reasons
+    )
+    if idle:
+        stages = tuple(replace(s, replicas=0) for s in stages)  # type: ignore[assignment]
+    base, want = min(base, cfg.max_replicas), min(want, cfg.max_replicas)
+    # Sustained demand (base) steps down only after the stabilization window; capacity
+    # added for a queue or a panic goes back to warm after the short burst hold (it comes
+    # back in one warm promotion if needed).
+    recent = _push_max(state.recent, now, base, cfg.standby_keep_s)
+    bursts = _push_max(state.bursts, now, want, cfg.burst_hold_s)
+    held = _max_since(recent, now - cfg.stabilization_s)
+    hot = want if idle else max(want, held, _max_since(bursts, now - cfg.burst_hold_s))
+    if hot > want:
+        reasons.append(f"stabilizing: {hot} hot (most in the last {cfg.stabilization_s:g}s)")
+    if idle:
+        reasons.append(f"idle {now - last_arrival:.0f}s: hot -> warm down to the floor")
+    if hot < cfg.min_hot:
+        hot = cfg.min_hot
+        reasons.append(f"floor min_hot={cfg.min_hot}")
+    floors = _floors(fc, cfg, now, last_arrival)
+    if cfg.schedules:
+        sched_hot, sched_warm = _scheduled(obs, cfg, now, stages)
+        if sched_hot > hot:
+            hot = sched_hot
+            reasons.append(f"scheduled: {sched_hot} hot")
+        if sched_warm > floors[0]:
+            floors = (sched_warm, floors[1])
+            reasons.append(f"scheduled: {sched_warm} warm")
+    hot = min(hot, cfg.max_replicas)
+    cap = max(obs.capacity_units_per_s, _EPS)
+    warm = _warm_wanted(fc, cfg, now, last_arrival, hot, recent, stages[1], floors[0], cap, reasons)
+    standby = _standby_wanted(cfg, now, hot, warm, recent, stages[2], floors[1])
+    if floors[0] < cfg.warm_floor and hot + warm == 0:
+        reasons.append(f"idle {now - last_arrival:.0f}s, none expected: standby floor")
+    new_state = EmberState(fc, now, last_arrival, obs.queued_units, panic_until, recent, bursts)
+    return Decision(
+        desired=TierCounts(hot, warm, standby),
+        state=new_state,
+        reasons=tuple(reasons),
+        forecast_units_per_s=hot_stage.forecast_units_per_s,
+        lead_s=hot_stage.promotion_s,
+        next_eval_s=_next_eval(obs, new_state, cfg, now, idle),
+        stages=stages,
+    )
+
+
+def _hot_wanted(
+    obs: Observation,
+    state: EmberState,
+    fc: Forecaster,
+    cfg: EmberConfig,
+    now: float,
+    stage: Stage,
+    last_arrival: float,
+    reasons: list[str],
+) -> tuple[int, int, float, bool]:
+    """(hot for sustained demand, hot wanted now, panic until, idle): the hot stage, the
+    burst guard, the queue to drain and the panic."""
+    demand = obs.arrived_units_per_s
+    forecast = stage.forecast_units_per_s
     guard = fc.envelope * cfg.burst_guard
     cap = max(obs.capacity_units_per_s, _EPS)
     drain = obs.queued_units / cfg.drain_s + obs.async_queued_units / cfg.async_drain_s
-    reasons: list[str] = []
-    base = _ceil(forecast / (cap * cfg.target_utilization))
-    reasons.append(f"forecast {forecast:.3g} u/s at +{lead:g}s (lead from {source}) -> {base}")
-    want = base
+    base = want = stage.replicas
     if _ceil(guard / cap) > want:
         want = _ceil(guard / cap)
         reasons.append(f"burst guard {guard:.3g} u/s -> {want}")
@@ -454,29 +659,32 @@ def decide(
     idle = now - last_arrival >= cfg.idle_hold_s and queued <= _EPS
     if idle:
         base = want = 0
-    base, want = min(base, cfg.max_replicas), min(want, cfg.max_replicas)
-    # Sustained demand (base) steps down only after the stabilization window; capacity
-    # added for a queue or a panic goes back to warm after the short burst hold (it comes
-    # back in one warm promotion if needed).
-    recent = _push_max(state.recent, now, base, cfg.standby_keep_s)
-    bursts = _push_max(state.bursts, now, want, cfg.burst_hold_s)
-    held = _max_since(recent, now - cfg.stabilization_s)
-    hot = want if idle else max(want, held, _max_since(bursts, now - cfg.burst_hold_s))
-    if hot > want:
-        reasons.append(f"stabilizing: {hot} hot (most in the last {cfg.stabilization_s:g}s)")
-    if idle:
-        reasons.append(f"idle {now - last_arrival:.0f}s: hot -> warm down to the floor")
-    if hot < cfg.min_hot:
-        hot = cfg.min_hot
-        reasons.append(f"floor min_hot={cfg.min_hot}")
-    hot = min(hot, cfg.max_replicas)
-    # Warm: spares for the next scale-up, what sustained demand needed lately, and enough
-    # to absorb the largest recent single tick (promoted within one tick + warm_s).
+    return base, want, panic_until, idle
+
+
+def _warm_wanted(
+    fc: Forecaster,
+    cfg: EmberConfig,
+    now: float,
+    last_arrival: float,
+    hot: int,
+    recent: tuple[tuple[float, int], ...],
+    stage: Stage,
+    floor: int,
+    cap: float,
+    reasons: list[str],
+) -> int:
+    """Warm: its stage (hot + warm cover the forecast one standby load ahead), spares for
+    the next scale-up, what sustained demand needed lately, and enough to absorb the
+    largest recent single tick (promoted within one tick + warm_s) -- all only where warm
+    is cheaper than hot; otherwise just the floor."""
+    if not cfg.uses_warm:
+        return max(0, min(floor, cfg.max_replicas - hot))
     active = now - last_arrival < cfg.warm_keep_s
     surge = _ceil(fc.surge * cfg.tick_s / (cap * cfg.surge_s)) if active else 0
-    floor_warm, floor_standby = _floors(fc, cfg, now, last_arrival)
     warm = max(
-        floor_warm,
+        floor,
+        stage.replicas - hot,
         max(_ceil(cfg.warm_spare_fraction * hot), cfg.warm_spares if hot else 0),
         _max_since(recent, now - cfg.warm_keep_s) - hot,
         surge - hot,
@@ -484,21 +692,52 @@ def decide(
     warm = max(0, min(warm, cfg.max_replicas - hot))
     if surge > hot and warm >= surge - hot:
         reasons.append(f"surge {fc.surge:.3g} u/s in one tick -> {surge - hot} warm")
-    standby = max(_max_since(recent, now - cfg.standby_keep_s) - hot - warm, 0)
-    if hot + warm + standby < floor_standby:
-        standby = floor_standby - hot - warm
-    standby = max(0, min(standby, cfg.max_replicas - hot - warm))
-    if floor_warm < cfg.warm_floor and hot + warm == 0:
-        reasons.append(f"idle {now - last_arrival:.0f}s, none expected: standby floor")
-    new_state = EmberState(fc, now, last_arrival, obs.queued_units, panic_until, recent, bursts)
-    return Decision(
-        desired=TierCounts(hot, warm, standby),
-        state=new_state,
-        reasons=tuple(reasons),
-        forecast_units_per_s=forecast,
-        lead_s=lead,
-        next_eval_s=_next_eval(obs, new_state, cfg, now, idle),
-    )
+    return warm
+
+
+def _standby_wanted(
+    cfg: EmberConfig,
+    now: float,
+    hot: int,
+    warm: int,
+    recent: tuple[tuple[float, int], ...],
+    stage: Stage,
+    floor: int,
+) -> int:
+    """Standby: its stage (all tiers cover the forecast one cold start ahead) and what
+    sustained demand needed within ``standby_keep_s`` -- only where standby is cheaper
+    than the tier above it; and the standby floor."""
+    standby = 0
+    if cfg.uses_standby:
+        standby = max(_max_since(recent, now - cfg.standby_keep_s), stage.replicas) - hot - warm
+    standby = max(standby, floor - hot - warm, 0)
+    return max(0, min(standby, cfg.max_replicas - hot - warm))
+
+
+def _scheduled(
+    obs: Observation, cfg: EmberConfig, now: float, stages: tuple[Stage, ...]
+) -> tuple[int, int]:
+    """(hot, warm) the schedules want now: a hot floor counts from one promotion before
+    its event (from warm where enough warm replicas are ready, else from standby, else a
+    cold start), a warm floor from one fill of the warm tier (its stage's horizon)."""
+    p, margin = obs.promotion, 1.0 + cfg.stage_margin
+    warm_ahead = stages[1].horizon_s
+
+    def hot_ahead(want: int) -> float:
+        short = want - obs.ready.hot
+        if short <= obs.ready.warm:
+            promo = p.warm_s
+        elif short <= obs.ready.warm + obs.ready.standby:
+            promo = p.standby_s
+        else:
+            promo = p.cold_s
+        return max(promo, stages[0].promotion_s) * margin + cfg.tick_s
+
+    hot = max((s.min_hot for s in cfg.schedules if s.min_hot and
+               s.active(now + hot_ahead(s.min_hot))), default=0)  # fmt: skip
+    warm = max((s.min_warm for s in cfg.schedules if s.min_warm and
+                s.active(now + warm_ahead)), default=0)  # fmt: skip
+    return hot, warm
 
 
 def _floors(fc: Forecaster, cfg: EmberConfig, now: float, last_arrival: float) -> tuple[int, int]:
@@ -579,7 +818,8 @@ class Autoscaler(Generic[S, C]):
 
     ``step(observation)`` stamps the clock, runs the pure policy, keeps the new state and
     logs the decision (inputs, desired tiers, reasons) in the model's context. With
-    ``record=True`` it keeps ``(now, observation, decision)`` for replay.
+    ``record=True`` it keeps every ``(now, observation, decision)`` for replay; with
+    ``keep_last=N`` the last N of them.
     """
 
     def __init__(
@@ -593,6 +833,7 @@ class Autoscaler(Generic[S, C]):
         version: str = "",
         log_decisions: bool = True,
         record: bool = False,
+        keep_last: int = 0,
     ) -> None:
         self.policy = policy
         self.config = config
@@ -602,6 +843,9 @@ class Autoscaler(Generic[S, C]):
         self.version = version
         self.log_decisions = log_decisions
         self.history: list[tuple[float, Observation, Decision[S]]] | None = [] if record else None
+        self.last: deque[tuple[float, Observation, Decision[S]]] = deque(maxlen=keep_last)
+        """The last ``keep_last`` steps (what ``GET /v1/deployments/{name}/autoscaler``
+        shows)."""
         self._log = get_logger("ember.pools.autoscaler")
         self._last: TierCounts | None = None
 
@@ -611,6 +855,8 @@ class Autoscaler(Generic[S, C]):
         self.state = decision.state
         if self.history is not None:
             self.history.append((t, obs, decision))
+        if self.last.maxlen:
+            self.last.append((t, obs, decision))
         if self.log_decisions:
             self._emit(t, obs, decision)
         self._last = decision.desired
@@ -644,3 +890,63 @@ def ember_autoscaler(
 ) -> Autoscaler[EmberState, EmberConfig]:
     """The predictive policy in its wrapper, from a fresh state."""
     return Autoscaler(decide, config, EmberState(), clock=clock, **kwargs)
+
+
+# ------------------------------------------------------------------ persisted state
+
+STATE_FORMAT = 1
+"""Version of :func:`state_to_dict`'s layout (a stored state of another is ignored)."""
+
+
+def state_to_dict(state: EmberState) -> dict[str, Any]:
+    """The policy's state as plain JSON-able data (floats may be NaN or infinite: the
+    stored JSON uses Python's ``NaN`` / ``Infinity``), to persist across restarts and
+    leader changes. Times are wall-clock seconds (the controller's autoscaler clock)."""
+    fc = state.forecaster
+    return {
+        "format": STATE_FORMAT,
+        "forecaster": {
+            "level": fc.level, "trend": fc.trend, "short": fc.short, "envelope": fc.envelope,
+            "surge": fc.surge, "bin_start_s": fc.bin_start_s, "bin_units": fc.bin_units,
+            "profiles": [list(p) for p in fc.profiles], "activity": list(fc.activity),
+            "spread": fc.spread,
+        },
+        "last_t": state.last_t, "last_arrival_t": state.last_arrival_t,
+        "last_queued": state.last_queued, "panic_until": state.panic_until,
+        "recent": [list(e) for e in state.recent], "bursts": [list(e) for e in state.bursts],
+    }  # fmt: skip
+
+
+def state_from_dict(data: dict[str, Any], cfg: EmberConfig) -> EmberState | None:
+    """:func:`state_to_dict`'s inverse; ``None`` when the data is not a state of this
+    format or its profiles do not fit ``cfg`` (other periods or bins: start afresh)."""
+    try:
+        if data.get("format") != STATE_FORMAT:
+            return None
+        f = data["forecaster"]
+        profiles = tuple(tuple(float(x) for x in p) for p in f["profiles"])
+        activity = tuple(float(x) for x in f["activity"])
+        if profiles:
+            lengths = tuple(len(p) for p in profiles)
+            if lengths != tuple(round(p / cfg.profile_bin_s) for p in cfg.profile_periods_s):
+                return None
+            if len(activity) != round(_DAY_S / cfg.profile_bin_s):
+                return None
+        fc = Forecaster(
+            level=float(f["level"]), trend=float(f["trend"]), short=float(f["short"]),
+            envelope=float(f["envelope"]), surge=float(f["surge"]),
+            bin_start_s=None if f["bin_start_s"] is None else float(f["bin_start_s"]),
+            bin_units=float(f["bin_units"]), profiles=profiles, activity=activity,
+            spread=float(f["spread"]),
+        )  # fmt: skip
+        return EmberState(
+            forecaster=fc,
+            last_t=None if data["last_t"] is None else float(data["last_t"]),
+            last_arrival_t=float(data["last_arrival_t"]),
+            last_queued=float(data["last_queued"]),
+            panic_until=float(data["panic_until"]),
+            recent=tuple((float(t), int(v)) for t, v in data["recent"]),
+            bursts=tuple((float(t), int(v)) for t, v in data["bursts"]),
+        )
+    except (KeyError, TypeError, ValueError):
+        return None

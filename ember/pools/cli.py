@@ -28,8 +28,10 @@ from ember.pools.autoscaler import (
     decide,
 )
 from ember.pools.simulator import (
+    PROFILES,
     SharedStandby,
     SimConfig,
+    SimProfile,
     SimResult,
     TierCost,
     simulate,
@@ -46,7 +48,11 @@ from ember.pools.traces import (
     synthetic,
 )
 
-POLICY_NAMES = ("ember", "knative", "ray", "static-peak", "reactive-min1")
+POLICY_NAMES = (
+    "ember", "knative", "ray", "static-peak", "reactive-min1", "oracle", "knative+cron",
+)  # fmt: skip
+"""``ember@u`` / ``knative@u`` set the target utilization, ``ray@N`` the target ongoing
+requests."""
 
 #: A language model on one accelerator: units are seconds at batch 1 (see costmodel);
 #: prefill 5,000 tokens/s, decode 50 tokens/s, 50 ms fixed, 8x throughput at best batch.
@@ -75,31 +81,52 @@ def peak_hot(trace: Trace, cm: CostModel, utilization: float, window_s: float = 
 
 
 def make_autoscaler(
-    name: str, trace: Trace, dep: Deployment, cm: CostModel, *, log_decisions: bool = False
+    name: str,
+    trace: Trace,
+    dep: Deployment,
+    cm: CostModel,
+    *,
+    log_decisions: bool = False,
+    sim: SimConfig | None = None,
 ) -> Autoscaler[Any, Any]:
-    """A fresh autoscaler for ``name`` (``knative@0.5`` sets KPA's target utilization)."""
+    """A fresh autoscaler for ``name`` (``knative@0.5`` sets KPA's target utilization,
+    ``ray@8`` Ray's target ongoing requests). ``sim`` gives the tier costs Ember's policy
+    weighs and what the oracle and the cron floor plan with (default: ``SimConfig()``)."""
 
     def clock() -> float:
         return 0.0  # the simulator passes ``now`` on every step
 
     kw: dict[str, Any] = {"clock": clock, "log_decisions": log_decisions, "model": trace.name}
+    sim = sim or SimConfig(cost_model=cm)
     base, _, arg = name.partition("@")
+    util = float(arg) if arg and base in ("ember", "knative", "knative+cron") else None
+    if util is not None:
+        dep = Deployment(dep.min_hot, dep.max_replicas, util, dep.ember)
     if base == "ember":
         cfg = EmberConfig(
             min_hot=dep.min_hot,
             scale_to_zero=dep.min_hot == 0,
             max_replicas=dep.max_replicas,
             target_utilization=dep.target_utilization,
-            **dep.ember,
-        )
+            **({"warm_cost": sim.tier_cost.warm / sim.tier_cost.hot,
+                "standby_cost": sim.tier_cost.standby / sim.tier_cost.hot} | dep.ember),
+        )  # fmt: skip
         return Autoscaler(decide, cfg, EmberState(), **kw)
-    if base == "knative":
-        util = float(arg) if arg else 0.7
-        kcfg = pol.KnativeConfig(target_utilization=util, max_scale=dep.max_replicas)
-        return Autoscaler(pol.knative, kcfg, pol.KnativeState(), **kw)
+    if base in ("knative", "knative+cron"):
+        kcfg = pol.KnativeConfig(target_utilization=util or 0.7, max_scale=dep.max_replicas)
+        if base == "knative":
+            return Autoscaler(pol.knative, kcfg, pol.KnativeState(), **kw)
+        floor = pol.cron_floor(hourly_units(trace, cm), cm.capacity_units_per_s, util or 0.7)
+        ccfg = pol.CronFloorConfig(kcfg, floor, lead_s=sim.promotion.cold_s)
+        return Autoscaler(pol.knative_cron, ccfg, pol.KnativeState(), **kw)
     if base == "ray":
         rcfg = pol.RayConfig(max_replicas=dep.max_replicas)
+        if arg:
+            rcfg = pol.RayConfig(target_ongoing_requests=float(arg), max_replicas=dep.max_replicas)
         return Autoscaler(pol.ray, rcfg, pol.RayState(), **kw)
+    if base == "oracle":
+        ocfg = oracle_config(trace, cm, sim, dep.min_hot)
+        return Autoscaler(pol.oracle, ocfg, None, **kw)
     if base == "static-peak":
         scfg = pol.StaticConfig(hot=peak_hot(trace, cm, dep.target_utilization))
         return Autoscaler(pol.static, scfg, None, **kw)
@@ -111,8 +138,30 @@ def make_autoscaler(
     raise typer.BadParameter(f"unknown policy {name!r}; one of {', '.join(POLICY_NAMES)}")
 
 
+def hourly_units(trace: Trace, cm: CostModel) -> list[float]:
+    """Mean demand (units/s) per hour of the day over the trace: the profile a user
+    schedules a cron floor from."""
+    if len(trace) == 0 or trace.duration_s <= 0:
+        return [0.0] * 24
+    hour = ((trace.arrivals_s % 86_400.0) // 3600.0).astype(np.int64)
+    units = np.bincount(hour, weights=unit_costs(cm, trace), minlength=24)
+    days = max(trace.duration_s / 86_400.0, 1.0 / 24)
+    return [float(u) / (3600.0 * days) for u in units[:24]]
+
+
+def oracle_config(trace: Trace, cm: CostModel, sim: SimConfig, min_hot: int) -> pol.OracleConfig:
+    """The clairvoyant plan for ``trace``: per tick, the work arriving within one SLO wait."""
+    nbins = math.ceil(trace.duration_s / sim.tick_s) + 1
+    ticks = (trace.arrivals_s // sim.tick_s).astype(np.int64)
+    units = np.bincount(ticks, weights=unit_costs(cm, trace), minlength=nbins)
+    return pol.oracle_plan(
+        units.tolist(), cm.capacity_units_per_s, cold_s=sim.promotion.cold_s,
+        slo_wait_s=sim.slo_wait_s, tick_s=sim.tick_s, min_hot=min_hot,
+    )  # fmt: skip
+
+
 def run_policy(name: str, trace: Trace, dep: Deployment, sim: SimConfig) -> SimResult:
-    scaler = make_autoscaler(name, trace, dep, sim.cost_model)
+    scaler = make_autoscaler(name, trace, dep, sim.cost_model, sim=sim)
     return simulate(trace, scaler, sim, policy_name=name)
 
 
@@ -132,7 +181,7 @@ def run_catalogue(
 ) -> tuple[list[SimResult], SharedStandby | None]:
     """Every trace as its own model, all replayed together; a policy with a standby tier
     shares one causally sized standby pool across them."""
-    scalers = [make_autoscaler(name, tr, dep, sim.cost_model) for tr in traces]
+    scalers = [make_autoscaler(name, tr, dep, sim.cost_model, sim=sim) for tr in traces]
     shared = name.partition("@")[0] in STANDBY_POLICIES
     pool = standby_pool_config(sim.promotion) if shared else None
     return simulate_catalogue(traces, scalers, sim, standby=pool, policy_name=name)
@@ -188,7 +237,8 @@ def simulate_command(
     policy: Annotated[
         list[str] | None,
         typer.Option(
-            help="ember, knative[@util], ray, static-peak, reactive-min1; repeat, or 'all'"
+            help="ember[@util], knative[@util], ray[@N], static-peak, reactive-min1, oracle, "
+            "knative+cron; repeat, or 'all'"
         ),
     ] = None,
     warmup_s: Annotated[float, typer.Option(help="Requests before this are not counted.")] = 120.0,
@@ -211,18 +261,29 @@ def simulate_command(
     warm_cost: Annotated[float, typer.Option(help="Warm cost rate (hot = 1).")] = 0.1,
     standby_cost: Annotated[float, typer.Option(help="Standby cost rate (hot = 1).")] = 0.03,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object too.")] = False,
+    profile: Annotated[
+        str | None,
+        typer.Option(
+            help="cpu | gpu-shared | gpu-dedicated: promotion times and tier costs "
+            "(instead of the time and cost flags)"
+        ),
+    ] = None,
 ) -> None:
     """Replay a trace against autoscaling policies; one table, same seed, one run."""
     if policy is None:
         policy = ["ember"]
     names = list(POLICY_NAMES) if policy == ["all"] else policy
     tr = load_trace(trace, traces_dir or default_traces_dir(), seed, mean_rps)
-    promotion = PromotionTimes(warm_s, standby_s, cold_s)
-    typer.echo(f"promotion to hot: {promotion_line(promotion)}")
+    prof = _profile(profile, PromotionTimes(warm_s, standby_s, cold_s), warm_cost, standby_cost)
+    promotion = prof.promotion
+    warm_s, standby_s, cold_s = promotion.warm_s, promotion.standby_s, promotion.cold_s
+    if profile is None or promotion == PromotionTimes():  # else the profile line says it
+        typer.echo(f"promotion to hot: {promotion_line(promotion)}")
+    typer.echo(prof.describe())
     sim = SimConfig(
         cost_model=BENCH_COST_MODEL,
         promotion=promotion,
-        tier_cost=TierCost(1.0, warm_cost, standby_cost),
+        tier_cost=prof.tier_cost,
         slo_wait_s=slo_s,
         warmup_s=warmup_s,
     )
@@ -240,6 +301,16 @@ def simulate_command(
     if as_json:
         times = {"warm_s": warm_s, "standby_s": standby_s, "cold_s": cold_s}
         typer.echo(json.dumps({"promotion": times, "policies": rows}))
+
+
+def _profile(
+    name: str | None, promotion: PromotionTimes, warm_cost: float, standby_cost: float
+) -> SimProfile:
+    if name is None:
+        return SimProfile("custom", promotion, TierCost(1.0, warm_cost, standby_cost), "flags")
+    if name not in PROFILES:
+        raise typer.BadParameter(f"unknown profile {name!r}; one of {', '.join(PROFILES)}")
+    return PROFILES[name]
 
 
 def promotion_line(promotion: PromotionTimes) -> str:

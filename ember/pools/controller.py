@@ -44,6 +44,8 @@ from ember.pools.autoscaler import (
     TierCounts,
     ember_autoscaler,
     size_standby_pool,
+    state_from_dict,
+    state_to_dict,
 )
 from ember.pools.backends.base import (
     LaunchOptions,
@@ -51,7 +53,7 @@ from ember.pools.backends.base import (
     ReplicaBackend,
     ReplicaHandle,
 )
-from ember.pools.demand import SharedDemand
+from ember.pools.demand import ForecastStore, SharedDemand
 from ember.pools.metrics import PoolMetrics
 from ember.pools.router import Route
 from ember.pools.warmtier import SharedWarmTier
@@ -68,6 +70,7 @@ from ember.registry.tables import (
 )
 
 if TYPE_CHECKING:
+    from ember.config import Settings
     from ember.pools.leader import LeaseElection
 
 log = get_logger(__name__)
@@ -182,7 +185,7 @@ class PoolsController:
         tick_s: float = 0.25,
         max_restarts: int = 3,
         leader: LeaseElection | None = None,
-        autoscale: dict[str, float] | None = None,
+        autoscale: dict[str, Any] | None = None,
         fill_warm: bool = False,
         standby_reserve_max: int = 0,
     ) -> None:
@@ -245,6 +248,11 @@ class PoolsController:
         # gateways counted, the leader adds it to its own before each autoscaler step.
         self.shared_demand: SharedDemand | None = None
         self.async_queued: dict[tuple[int, str], float] = {}
+        # The autoscalers' state (a learned daily profile) in Redis: saved every
+        # ``state_every_s``, restored by whichever controller acts next (restart, new leader).
+        self.forecast_store: ForecastStore | None = None
+        self.state_every_s = 10.0
+        self._state_saved = time.monotonic()
         # The shared warm tier (local backend, EMBER_WARM_SET_BYTES): versions with no ready
         # replica held in host RAM, so a standby process loads them from the page cache.
         self.warm_tier: SharedWarmTier | None = None
@@ -259,6 +267,10 @@ class PoolsController:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if self.leading:  # what it learned, for the next controller (or this one restarted)
+            await self._save_states(force=True)
+        if self.forecast_store is not None:
+            self.forecast_store.close()
         if self.backend.replicas_outlive_controller:  # a successor adopts them
             if self.leader is not None and self.leading:
                 await asyncio.to_thread(self.leader.release)
@@ -290,7 +302,9 @@ class PoolsController:
         self._reap_exited()
         await self._check_starting()
         await self._probe_idle()
+        await self._restore_states()
         self._autoscale()
+        await self._save_states()
         self._scale()
         await self._retire()
         self._fill_warm()
@@ -386,6 +400,7 @@ class PoolsController:
         """Lost the Lease: stop acting at once (another controller may act already)."""
         for task in list(self._assigning):
             task.cancel()
+        self.scalers.clear()  # the next leader goes on from the stored state; so will we
         log.warning("pools controller lost its lease: following")
 
     async def _follow(self) -> None:
@@ -704,17 +719,63 @@ class PoolsController:
     def scaler(
         self, key: tuple[int, str], view: DeploymentView, version: str
     ) -> Autoscaler[EmberState, EmberConfig]:
-        """The version's autoscaler: ``decide`` with the deployment's pool policy."""
+        """The version's autoscaler: ``decide`` with the deployment's pool policy. A changed
+        policy (new schedules, say) applies from the next step; what it learned stays."""
         scaler = self.scalers.get((key, version))
+        config = self.autoscale_config(view)
+        if scaler is not None and scaler.config != config:
+            scaler.config = config
         if scaler is None:
-            config = EmberConfig.from_policy(
-                view.policy, tick_s=self.autoscale_every_s, **self.autoscale_knobs
-            )
             scaler = ember_autoscaler(
-                config, clock=time.monotonic, model=view.model, version=version
+                config,
+                clock=time.time,  # wall clock: the profiles are times of day, and persist
+                model=view.model,
+                version=version,
+                keep_last=20,
             )
             self.scalers[(key, version)] = scaler
         return scaler
+
+    def autoscale_config(self, view: DeploymentView) -> EmberConfig:
+        return EmberConfig.from_policy(
+            view.policy, tick_s=self.autoscale_every_s, **self.autoscale_knobs
+        )
+
+    async def _restore_states(self) -> None:
+        """A production version without an autoscaler yet gets one, its state restored from
+        the store when there is one (read in a thread; Redis away: start afresh)."""
+        store = self.forecast_store
+        if store is None:
+            return
+        for key, view in self.deployments.items():
+            version = view.production
+            if version is None or (key, version) in self.scalers:
+                continue
+            try:
+                data = await asyncio.to_thread(store.load, (key, version))
+            except Exception:  # Redis away: learn again rather than stop
+                log.warning("could not read the autoscaler state", deployment=view.name)
+                data = None
+            scaler = self.scaler(key, view, version)
+            state = None if data is None else state_from_dict(data, scaler.config)
+            if state is not None:
+                scaler.state = state
+                with model_context(view.model, version):
+                    log.info("autoscaler state restored", deployment=view.name,
+                             level_units_per_s=round(state.forecaster.level, 4))  # fmt: skip
+
+    async def _save_states(self, *, force: bool = False) -> None:
+        store = self.forecast_store
+        if store is None or not self.scalers:
+            return
+        if not force and time.monotonic() - self._state_saved < self.state_every_s:
+            return
+        self._state_saved = time.monotonic()
+        states = {k: state_to_dict(s.state) for k, s in self.scalers.items()}
+        try:
+            await asyncio.to_thread(store.save, states)
+        except Exception:  # Redis away: saved at the next try
+            log.warning("could not save the autoscaler state")
 
     def observation(
         self, key: tuple[int, str], view: DeploymentView, version: str, dt: float
@@ -1035,3 +1096,69 @@ class PoolsController:
 
     def replicas_of(self, key: tuple[int, str]) -> list[dict[str, Any]]:
         return [r.public() for r in self.replicas.values() if r.key == key]
+
+    def autoscaler_of(self, key: tuple[int, str]) -> dict[str, Any]:
+        """What the autoscaler of the deployment's production version forecast, wants per
+        tier and why, the promotion times it plans with and its last decisions (for
+        ``GET /v1/deployments/{name}/autoscaler``). ``acting`` is false on a controller
+        that follows another (which decides; its view is the leader's to show)."""
+        view = self.deployments.get(key)
+        version = view.production if view is not None else None
+        scaler = self.scalers.get((key, version)) if version is not None else None
+        promotion = self._promotion_times()
+        out: dict[str, Any] = {
+            "version": version,
+            "acting": self.leading,
+            "promotion_s": {"warm": promotion.warm_s, "standby": promotion.standby_s,
+                            "cold": promotion.cold_s},
+            "promotion_samples": {t: len(v) for t, v in self.promotion_s.items()},
+            "config": None, "forecast": [], "desired": None, "reasons": [], "decisions": [],
+        }  # fmt: skip
+        if scaler is None:
+            return out
+        cfg = scaler.config
+        out["config"] = {
+            "target_utilization": cfg.target_utilization, "forecast_quantile":
+            cfg.forecast_quantile, "warm_cost": cfg.warm_cost, "standby_cost": cfg.standby_cost,
+            "min_hot": cfg.min_hot, "max_replicas": cfg.max_replicas,
+            "profile_periods_s": list(cfg.profile_periods_s),
+            "level_units_per_s": _finite(scaler.state.forecaster.level),
+        }  # fmt: skip
+        if scaler.last:
+            _, _, last = scaler.last[-1]
+            out["forecast"] = [
+                {"tier": s.tier.value, "from": s.source.value, "promotion_s": s.promotion_s,
+                 "horizon_s": _finite(s.horizon_s),
+                 "units_per_s": _finite(s.forecast_units_per_s), "replicas": s.replicas}
+                for s in last.stages
+            ]  # fmt: skip
+            d = last.desired
+            out["desired"] = {"hot": d.hot, "warm": d.warm, "standby": d.standby}
+            out["reasons"] = list(last.reasons)
+        out["decisions"] = [
+            {"at": _finite(t), "hot": d.desired.hot, "warm": d.desired.warm,
+             "standby": d.desired.standby, "arrived_units_per_s": _finite(o.arrived_units_per_s),
+             "ready": {"hot": o.ready.hot, "warm": o.ready.warm, "standby": o.ready.standby}}
+            for t, o, d in scaler.last
+        ]  # fmt: skip
+        return out
+
+
+def autoscale_knobs(settings: Settings) -> dict[str, Any]:
+    """The ``EmberConfig`` knobs the settings set for every deployment."""
+    knobs: dict[str, Any] = {
+        "idle_hold_s": settings.scale_idle_hold_s,
+        "warm_keep_s": settings.scale_warm_keep_s,
+        "warm_cost": settings.scale_warm_cost,
+        "standby_cost": settings.scale_standby_cost,
+        "forecast_quantile": settings.scale_forecast_quantile,
+    }
+    period = settings.scale_profile_period_s
+    if period != 86_400.0:  # a compressed day (tests, demos): the bins shrink alike
+        knobs |= {"profile_periods_s": (period, 7 * period), "profile_bin_s": period / 144}
+    return knobs
+
+
+def _finite(x: float) -> float | None:
+    """JSON has no NaN or infinity: ``None`` for those."""
+    return round(x, 6) if math.isfinite(x) else None

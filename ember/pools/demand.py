@@ -9,7 +9,8 @@ for the leader's share.
 
 from __future__ import annotations
 
-from typing import cast
+import json
+from typing import Any, cast
 
 import redis
 
@@ -52,6 +53,48 @@ class SharedDemand:
                 continue
             out.setdefault(key, [0.0, 0.0])[0 if kind == "a" else 1] += amount
         return out
+
+    def close(self) -> None:
+        self.redis.close()
+
+
+STATE_HASH = "ember:pools:autoscaler"
+
+
+class ForecastStore:
+    """The autoscalers' state (forecaster and windows, ``state_to_dict``) in one Redis hash,
+    field ``tenant \\t deployment \\t version``: saved by the acting controller every few
+    seconds, read by whichever controller acts next (after a restart or a change of
+    leader), so a learned daily profile is not lost with the process."""
+
+    def __init__(self, redis_url: str, key: str = STATE_HASH) -> None:
+        self.redis = redis.Redis.from_url(redis_url, socket_timeout=2.0)
+        self.key = key
+
+    @staticmethod
+    def _field(key: DemandKey) -> str:
+        (tenant, deployment), version = key
+        return _SEP.join((str(tenant), deployment, version))
+
+    def save(self, states: dict[DemandKey, dict[str, Any]]) -> None:
+        if states:
+            self.redis.hset(
+                self.key, mapping={self._field(k): json.dumps(v) for k, v in states.items()}
+            )
+
+    def load(self, key: DemandKey) -> dict[str, Any] | None:
+        """The stored state, or ``None`` (none stored, or not readable JSON)."""
+        raw = cast(bytes | None, self.redis.hget(self.key, self._field(key)))
+        if raw is None:
+            return None
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            return None
+        return data if isinstance(data, dict) else None
+
+    def forget(self, key: DemandKey) -> None:
+        self.redis.hdel(self.key, self._field(key))
 
     def close(self) -> None:
         self.redis.close()

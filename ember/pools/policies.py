@@ -11,11 +11,19 @@
 - ``static-peak``: a fixed number of hot replicas, sized for the trace's peak.
 - ``reactive-min1``: hot replicas for the last 10 s of demand, at least one, scale-down
   after 60 s; cold starts only.
+- ``ray@N``: Ray Serve with ``target_ongoing_requests=N`` (tuned near the batch size, as
+  users of batched engines set it).
+- ``oracle``: clairvoyant, the **lower bound** on hot capacity: it knows the arrivals and
+  starts each replica exactly one cold start before it is needed (no warm tier).
+- ``knative+cron``: the KPA plus a scheduled floor per hour of the day (what users of
+  KEDA's cron scaler do), switched on one cold start ahead.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ember.pools.autoscaler import Decision, Observation, TierCounts
@@ -255,3 +263,108 @@ def reactive(
     idle = demand <= _EPS and obs.queued_units <= _EPS and hot == want
     return Decision(TierCounts(hot=hot), st, (f"demand {demand:.3g} u/s -> {want}",), demand,
                     0.0, math.inf if idle and not obs.promoting else now + cfg.tick_s)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ oracle
+
+
+@dataclass(frozen=True, slots=True)
+class OracleConfig:
+    """A clairvoyant policy's plan, computed from the arrivals it will see: ``hot[k]``
+    replicas wanted in tick ``k`` (see :func:`oracle_plan`), ``next_change[k]`` the first
+    tick after ``k`` whose plan differs."""
+
+    hot: tuple[int, ...]
+    next_change: tuple[int, ...]
+    tick_s: float = 1.0
+
+
+def oracle_plan(
+    units_per_tick: Sequence[float], capacity_units_per_s: float, *, cold_s: float,
+    slo_wait_s: float, tick_s: float = 1.0, min_hot: int = 0,
+) -> OracleConfig:  # fmt: skip
+    """The lower bound on hot capacity: a tick needs the replicas that serve the work
+    arriving within one SLO wait at full utilization; each is started exactly one cold
+    start before it is needed and kept only while it is needed within one cold start
+    (stopping it sooner would mean starting it again). No warm or standby tier."""
+    n = len(units_per_tick)
+    window = max(1, round(slo_wait_s / tick_s))
+    need = [0] * n
+    acc = 0.0
+    for k in range(n - 1, -1, -1):  # work arriving in [k, k + window) over the window
+        acc += units_per_tick[k]
+        if k + window < n:
+            acc -= units_per_tick[k + window]
+        rate = max(acc, 0.0) / (window * tick_s)
+        need[k] = max(min_hot, math.ceil(rate / capacity_units_per_s - _EPS) if rate > _EPS else 0)
+    ahead = max(0, math.ceil(cold_s / tick_s))
+    hot = _window_max(need, ahead)
+    nxt = [n] * n
+    for k in range(n - 2, -1, -1):
+        nxt[k] = k + 1 if hot[k + 1] != hot[k] else nxt[k + 1]
+    return OracleConfig(tuple(hot), tuple(nxt), tick_s)
+
+
+def _window_max(xs: list[int], ahead: int) -> list[int]:
+    """``out[k] = max(xs[k : k + ahead + 1])`` (a monotonic deque)."""
+    out = [0] * len(xs)
+    dq: deque[int] = deque()
+    for k in range(len(xs) - 1, -1, -1):
+        while dq and xs[dq[-1]] <= xs[k]:
+            dq.pop()
+        dq.append(k)
+        while dq[0] > k + ahead:
+            dq.popleft()
+        out[k] = xs[dq[0]]
+    return out
+
+
+def oracle(obs: Observation, state: None, cfg: OracleConfig, now: float) -> Decision[None]:
+    """Clairvoyant (documented as the lower bound): follow the precomputed plan."""
+    if not cfg.hot:
+        return Decision(TierCounts(), None, ("oracle: no arrivals",))
+    k = min(int(now // cfg.tick_s), len(cfg.hot) - 1)
+    nxt = cfg.next_change[k] * cfg.tick_s if cfg.next_change[k] < len(cfg.hot) else math.inf
+    return Decision(TierCounts(hot=cfg.hot[k]), None, (f"oracle: {cfg.hot[k]} hot",),
+                    next_eval_s=nxt)  # fmt: skip
+
+
+# ------------------------------------------------------------------------- knative+cron
+
+
+@dataclass(frozen=True, slots=True)
+class CronFloorConfig:
+    """KPA plus a scheduled floor, as users of KEDA's cron scaler set one: ``floor[h]`` hot
+    replicas from hour ``h`` of the day on, switched on ``lead_s`` early (one cold start:
+    the user schedules it ahead of the hour)."""
+
+    knative: KnativeConfig
+    floor: tuple[int, ...]
+    lead_s: float = 0.0
+    slot_s: float = 3600.0
+    period_s: float = 86_400.0
+
+
+def cron_floor(
+    units_per_s_by_slot: Sequence[float], capacity_units_per_s: float, utilization: float
+) -> tuple[int, ...]:
+    """The floor a user would schedule from their traffic's profile: each slot's mean
+    demand at the target utilization."""
+    per = max(capacity_units_per_s * utilization, _EPS)
+    return tuple(math.ceil(u / per - _EPS) if u > _EPS else 0 for u in units_per_s_by_slot)
+
+
+def knative_cron(
+    obs: Observation, state: KnativeState, cfg: CronFloorConfig, now: float
+) -> Decision[KnativeState]:
+    """KPA, never below the floor scheduled for ``now + lead_s``."""
+    d = knative(obs, state, cfg.knative, now)
+    if not cfg.floor:
+        return d
+    slot = int(((now + cfg.lead_s) % cfg.period_s) // cfg.slot_s) % len(cfg.floor)
+    floor = cfg.floor[slot]
+    if floor <= d.desired.hot:
+        return d
+    edge = (math.floor((now + cfg.lead_s) / cfg.slot_s) + 1) * cfg.slot_s - cfg.lead_s
+    return Decision(TierCounts(hot=floor), d.state, (*d.reasons, f"cron floor {floor}"),
+                    d.forecast_units_per_s, 0.0, min(d.next_eval_s, edge))  # fmt: skip

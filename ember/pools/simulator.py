@@ -68,6 +68,49 @@ class TierCost:
 
 
 @dataclass(frozen=True, slots=True)
+class SimProfile:
+    """Named hardware assumptions: promotion times and tier costs (printed with every
+    table, since the headline figures depend on both)."""
+
+    name: str
+    promotion: PromotionTimes
+    tier_cost: TierCost
+    source: str
+
+    def describe(self) -> str:
+        c = self.tier_cost
+        return (
+            f"profile {self.name}: promotion {self.promotion.describe()}; cost per "
+            f"replica-second hot {c.hot:g}, warm {c.warm:g}, standby {c.standby:g} ({self.source})"
+        )
+
+
+_GPU_TIMES = PromotionTimes(warm_s=2.0, standby_s=20.0, cold_s=120.0)
+PROFILES: dict[str, SimProfile] = {
+    "cpu": SimProfile(
+        "cpu",
+        PromotionTimes(),
+        TierCost(1.0, 0.1, 0.03),
+        "bench/coldstart.py, 1 GiB model on CPU; released host memory serves other models",
+    ),
+    "gpu-shared": SimProfile(
+        "gpu-shared",
+        _GPU_TIMES,
+        TierCost(1.0, 0.1, 0.03),
+        "GPU cold starts are minutes (Ray Serve 8B from zero 71-104 s); a catalogue "
+        "hands released devices to other models, so warm and standby cost a fraction",
+    ),
+    "gpu-dedicated": SimProfile(
+        "gpu-dedicated",
+        _GPU_TIMES,
+        TierCost(1.0, 1.0, 1.0),
+        "the same times; a warm or standby replica keeps its device: full charge",
+    ),
+}
+"""``cpu``, ``gpu-shared``, ``gpu-dedicated`` (``ember simulate --profile``, the bench)."""
+
+
+@dataclass(frozen=True, slots=True)
 class SimConfig:
     cost_model: CostModel = field(default_factory=CostModel)
     promotion: PromotionTimes = field(default_factory=PromotionTimes)

@@ -244,3 +244,30 @@ def synthetic(
         np.full(n, output_size),
         float(duration_s),
     )
+
+
+def daily_step(
+    seed: int,
+    days: int = 3,
+    *,
+    low_rps: float = 1.0,
+    high_rps: float = 40.0,
+    start_s: float = 9 * 3600.0,
+    end_s: float = 17 * 3600.0,
+    period_s: float = 86_400.0,
+    input_size: float = 0.0,
+    output_size: float = 47.5,
+) -> Trace:
+    """Poisson arrivals at ``low_rps``, stepping to ``high_rps`` from ``start_s`` to
+    ``end_s`` of every period (the step ramp of issue 22: x40 at 09:00); the default sizes
+    make one request one unit of the bench cost model (0.02 x 47.5 + 0.05)."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(0.0, days * period_s, 1.0)
+    phase = t % period_s
+    rate = np.where((phase >= start_s) & (phase < end_s), high_rps, low_rps)
+    counts = rng.poisson(rate)
+    arrivals = np.repeat(t, counts) + rng.uniform(0, 1.0, int(counts.sum()))
+    arrivals.sort()
+    n = len(arrivals)
+    return Trace("daily-step", arrivals, np.full(n, input_size), np.full(n, output_size),
+                 float(days * period_s))  # fmt: skip

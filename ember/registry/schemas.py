@@ -260,6 +260,43 @@ class Placement(Input):
     )
 
 
+class CapacitySchedule(Input):
+    """Capacity held for a known event (a launch, a daily report): from each cron fire time
+    for ``duration_s``, at least ``min_hot`` hot and ``min_warm`` warm replicas. The
+    autoscaler applies each floor ahead by the promotion time of the tier that fills it,
+    so the replicas are ready when the event starts."""
+
+    cron: str = Field(max_length=255, description="5-field cron: when the event starts.")
+    timezone: str = Field("UTC", max_length=64, description="IANA zone, e.g. Europe/Paris.")
+    duration_s: float = Field(3600.0, gt=0, le=7 * 86_400, description="How long it lasts.")
+    min_hot: int = Field(0, ge=0, le=1000)
+    min_warm: int = Field(0, ge=0, le=1000)
+
+    @field_validator("timezone")
+    @classmethod
+    def _zone(cls, value: str) -> str:
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        try:
+            if not value or value.startswith(("/", ".")) or ".." in value:
+                raise ValueError
+            ZoneInfo(value)
+        except (ZoneInfoNotFoundError, ValueError, OSError) as exc:
+            raise ValueError(f"unknown IANA time zone {value!r} (e.g. UTC, Europe/Paris)") from exc
+        return value
+
+    @field_validator("cron")
+    @classmethod
+    def _cron(cls, value: str) -> str:
+        from croniter import croniter
+
+        if len(value.split()) != 5 or not croniter.is_valid(value):
+            raise ValueError(
+                f"cron expression {value!r} must be 5 valid fields (minute hour day month weekday)"
+            )
+        return value
+
+
 class PoolPolicy(Input):
     """How a deployment's replica pool behaves. Every field has a safe default."""
 
@@ -301,6 +338,12 @@ class PoolPolicy(Input):
         description="GPU type and resources of each replica on Kubernetes; its threads, and "
         "`gpus` whole GPUs of the host where `accelerator` is set, on the local backend too.",
     )
+    schedules: list[CapacitySchedule] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Scheduled capacity for known events (cron, time zone, duration, "
+        "`min_hot`, `min_warm`), staged ahead by the promotion time of the tier it fills.",
+    )
 
     @property
     def hot_floor(self) -> int:
@@ -321,6 +364,12 @@ class PoolPolicy(Input):
             raise ValueError("min_hot = 0 scales the model to zero: set scale_to_zero = true")
         if self.min_hot > self.max_replicas:
             raise ValueError(f"min_hot ({self.min_hot}) exceeds max_replicas ({self.max_replicas})")
+        for sched in self.schedules:
+            if sched.min_hot + sched.min_warm > self.max_replicas:
+                raise ValueError(
+                    f"schedule {sched.cron!r}: min_hot + min_warm exceeds max_replicas "
+                    f"({self.max_replicas})"
+                )
         return self
 
 
@@ -351,6 +400,7 @@ class DeploymentUpdate(Input):
     log_payloads: bool | None = None
     hedge: bool | None = None
     placement: Placement | None = None
+    schedules: list[CapacitySchedule] | None = Field(None, max_length=16)
     fallback: list[VersionName] | None = Field(None, max_length=8)
 
 

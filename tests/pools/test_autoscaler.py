@@ -54,7 +54,8 @@ def test_scales_up_lead_seconds_before_a_daily_ramp() -> None:
     assert before.lead_s == at.lead_s == lead
     assert before.desired.hot == math.ceil(8.0 / PER_HOT)  # 8 / 5.6 -> 2
     assert at.desired.hot == math.ceil(40.0 / PER_HOT)  # 8 * (40 / 8) / 5.6 = 7.1 -> 8
-    assert "at +30s (lead from cold)" in at.reasons[0]
+    # The hot stage looks one cold start (+10 % and a tick) ahead: 30 * 1.1 + 1 = 34 s.
+    assert "at +34s (hot, from cold in 30s)" in at.reasons[0]
 
 
 def test_lead_is_the_promotion_time_of_the_source_tier() -> None:
@@ -68,13 +69,18 @@ def test_no_flapping_on_noise() -> None:
     rng = np.random.default_rng(7)
     mean = 4.5 * PER_HOT  # 25.2 u/s -> 4.5 replicas: the ceiling is 5 either side of noise
     demand = (mean * rng.uniform(0.7, 1.3, 3600)).tolist()
-    hots = [d.desired.hot for d in run(EmberConfig(max_replicas=50), demand)]
+    mean_only = EmberConfig(max_replicas=50, forecast_quantile=0.5)  # no spread margin
+    hots = [d.desired.hot for d in run(mean_only, demand)]
     assert set(hots[600:]) == {5}
 
 
 def test_scale_down_waits_for_stabilization_then_one_tier_at_a_time() -> None:
     cfg = EmberConfig(
-        max_replicas=50, level_tau_s=60.0, stabilization_s=120.0, standby_keep_s=7_200.0
+        max_replicas=50,
+        level_tau_s=60.0,
+        stabilization_s=120.0,
+        standby_keep_s=7_200.0,
+        forecast_quantile=0.5,  # the mean: the windows alone, no spread margin
     )
     high, low = 9.5 * PER_HOT, 10.0  # 53.2 u/s -> 10 hot; 10 u/s -> 1.8 -> 2 hot
     t0 = 1800.0
@@ -144,7 +150,7 @@ def test_autoscaler_is_generic_over_policies() -> None:
 
 
 def test_a_queue_within_hot_headroom_adds_no_replica() -> None:
-    cfg = EmberConfig(max_replicas=50)
+    cfg = EmberConfig(max_replicas=50, forecast_quantile=0.5)
     st = run(cfg, [10.0] * 900)[-1].state  # 10 u/s -> 10 / 5.6 -> 2 hot (16 u/s)
     small = decide(obs(10.0, hot=2, queued=4.0), st, cfg, 901.0)
     assert small.desired.hot == 2  # 6 u/s of headroom drains 4 units within drain_s
@@ -229,8 +235,9 @@ def test_the_burst_guard_follows_its_own_decay_not_the_stabilization_window() ->
     # 10 s at 60 u/s on a 2 u/s model: the burst guard (the short-window demand at full
     # utilization) adds hot replicas at once; after the burst they go as its envelope
     # decays (burst_decay_s), not held for stabilization_s on top of that decay. Sustained
-    # demand (the forecast) is still held for the stabilization window.
-    cfg = EmberConfig(max_replicas=50)
+    # demand (the forecast) is still held for the stabilization window. (The mean forecast:
+    # a forecast quantile keeps more, for the spread the burst left, over level_tau_s.)
+    cfg = EmberConfig(max_replicas=50, forecast_quantile=0.5)
     quiet = run(cfg, [2.0] * 600)
     burst = run(cfg, [60.0] * 10, t0=600.0, state=quiet[-1].state)
     after = run(cfg, [2.0] * 120, t0=610.0, state=burst[-1].state)

@@ -50,16 +50,24 @@ def test_bursty_scenario_alone(tmp_path: Path) -> None:
     )
     lines = out.stdout.strip().splitlines()
     verdict = json.loads(lines[-1])
+    # Every profile, its own keys.
     assert set(verdict) == {
-        "bursty_within_slo",
-        "bursty_cheapest",
-        "bursty_target_met",
-        "bursty_cost_vs_static",
+        f"{p}_bursty_{k}"
+        for p in ("cpu", "gpu_shared", "gpu_dedicated")
+        for k in ("within_slo", "cheapest", "target_met", "cost_vs_static")
     }
-    assert 0.0 <= verdict["bursty_within_slo"] <= 100.0
+    assert all(0.0 <= verdict[f"{p}_bursty_within_slo"] <= 100.0
+               for p in ("cpu", "gpu_shared", "gpu_dedicated"))  # fmt: skip
     table = "\n".join(lines)
-    for policy in ("ember", "knative", "ray", "static-peak", "reactive-min1"):
+    for policy in ("ember", "knative", "ray", "ray@8", "knative+cron", "static-peak",
+                   "reactive-min1"):  # fmt: skip
         assert f"\n{policy} " in table
+    assert "[cpu] bursty: Azure LLM 2023 code" in table
+    # Each table says what it assumed: the profile's promotion times and tier costs.
+    assert (
+        "profile gpu-dedicated: promotion warm 2 s, standby 20 s, cold 120 s; cost per "
+        "replica-second hot 1, warm 1, standby 1" in table
+    )
     assert "bursty/ember: SLO misses" in table
     assert "dense" not in table and "sparse" not in table  # only the scenario asked for
 
@@ -88,7 +96,10 @@ def test_sparse_scenario_shares_one_causal_standby_pool(tmp_path: Path) -> None:
     )  # fmt: skip
     lines = out.stdout.strip().splitlines()
     verdict = json.loads(lines[-1])
-    assert verdict["sparse_standby_pool"] >= 2  # one process to start with, then learned
-    assert verdict["sparse_standby_empty"] >= 0 and 0 <= verdict["sparse_over_slo"] <= 100
+    for p in ("cpu", "gpu_shared", "gpu_dedicated"):
+        assert verdict[f"{p}_sparse_standby_pool"] >= 2  # one to start with, then learned
+        assert verdict[f"{p}_sparse_standby_empty"] >= 0
+        assert 0 <= verdict[f"{p}_sparse_over_slo"] <= 100
+        assert verdict[f"{p}_sparse_cost_vs_knative"] > 0
     assert "promotion to hot: warm 0.6 s, standby 2.5 s, cold 8 s" in out.stdout
     assert "ember: largest" in out.stdout  # the shared pool's size and use are printed

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Request, Response, status
 
 from ember.api.deps import Cursor, Limit, PrincipalDep, SessionDep, SettingsDep
 from ember.api.problems import problem_responses
+from ember.errors import NotReady
 from ember.registry import deployments, quotas
 from ember.registry.schemas import (
     NAME_PATTERN,
@@ -149,3 +150,20 @@ def history(
 ) -> list[RevisionPublic]:
     deployment = deployments.get(session, principal.tenant_id, name)
     return [RevisionPublic.model_validate(r) for r in deployments.revisions(session, deployment)]
+
+
+@router.get("/{name}/autoscaler", summary="What the autoscaler forecasts and wants, and why")
+def autoscaler(
+    request: Request, name: DeploymentName, principal: PrincipalDep, session: SessionDep
+) -> dict[str, Any]:
+    """For the production version: the demand forecast at each tier's horizon (hot one
+    promotion from warm ahead, hot + warm one standby load ahead, all tiers one cold
+    start ahead), the replicas wanted per tier with the reasons, the promotion times it
+    plans with (learned per tier), and its last decisions. 503 on an API process that
+    runs no pools controller."""
+    deployment = deployments.get(session, principal.tenant_id, name)
+    gateway = getattr(request.app.state, "gateway", None)
+    if gateway is None:
+        raise NotReady("this API process runs no pools controller (EMBER_POOLS_ENABLED=false)")
+    key = (deployment.tenant_id, deployment.name)
+    return {"deployment": name, **gateway.controller.autoscaler_of(key)}
