@@ -31,7 +31,19 @@ within ``size / (0.8 x disk bandwidth) + 0.5 s``. Figures are medians over ``--r
 tiers interleaved. Python's own files (torch's libraries) stay in the page cache: "cold" is
 a cold replica on a warm host. Prints a table, then as its last line one JSON object.
 
-    .venv/bin/python bench/coldstart.py [--runs 3] [--no-s3]
+**The LLM** (``--only llm`` runs it alone): the tiny Llama written as a sharded checkpoint
+(``ember.engine.examples.tiny_llm --shards``: four shards, their index, config, tokenizer),
+registered as a directory version (its manifest) in the ``file://`` store and served by the
+vLLM engine (``.venv-vllm``; skipped with a reason where that is absent). Measured to the
+**first token** of a streamed ``/v1/completions`` on the replica: **standby** (a standby
+process of the vLLM environment is up; ``/assign`` with the cache holding the version, its
+pages dropped, then the request) and **cold-store** (spawn with an empty cache: the store's
+shards fill the cache as vLLM's worker loads them). vLLM's own start (engine core process,
+KV cache) dominates both; the breakdown shows the weights' part. ``--device cuda`` starts
+every replica with ``ember engine --device cuda``.
+
+    .venv/bin/python bench/coldstart.py [--runs 3] [--no-s3] [--device cpu|cuda]
+                                        [--only all|models|llm]
 """
 
 from __future__ import annotations
@@ -43,13 +55,14 @@ import os
 import resource
 import secrets
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -66,11 +79,21 @@ from tests.services import free_port, moto_server  # noqa: E402
 
 GB, GIB = 1e9, 1024**3
 EMBER = str(Path(sys.executable).with_name("ember"))
+VLLM_EMBER = ROOT / ".venv-vllm" / "bin" / "ember"
+"""vLLM versions run in vLLM's own environment, as the local backend starts them."""
+LLM = "tiny-llm-sharded"
+LLM_CONFIG = {"max_model_len": 256, "max_tokens": 8, "kv_cache_bytes": 64 * 1024**2,
+              "enforce_eager": True}  # fmt: skip
+"""Eager on every device (the CPU's default): no torch.compile or CUDA-graph capture in the
+start being measured."""
+VLLM_ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+            "HF_HUB_OFFLINE": "1"}  # fmt: skip
 MLP_KWARGS = {"in_features": 256, "hidden": 8192, "out_features": 16, "layers": 6}
 BUCKET = "ember-bench"
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
           "AWS_DEFAULT_REGION": "us-east-1", "EMBER_S3_ALLOWED_BUCKETS": BUCKET}  # fmt: skip
 TIERS = ("hot", "warm", "standby", "standby-pc", "cold-nvme", "cold-store", "cold-s3")
+LLM_TIERS = ("standby", "cold-store")
 
 
 @dataclass
@@ -151,6 +174,21 @@ class Replica:
             raise RuntimeError(f"/infer answered {r.status_code}: {r.text[:500]}")
         return time.perf_counter() - t0
 
+    def first_token(self, prompt: str) -> float:
+        """Seconds from the call to the first token of a streamed ``/v1/completions``."""
+        body = {"model": LLM, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                "stream": True, "ignore_eos": True}  # fmt: skip
+        t0 = time.perf_counter()
+        with self.client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"/v1/completions answered {r.status_code}: {r.read()[:500]!r}")
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                if any(c.get("text") for c in json.loads(line[6:]).get("choices", [])):
+                    return time.perf_counter() - t0
+        raise RuntimeError("the completion stream ended without a token")
+
     def tier(self, tier: str) -> None:
         self.client.post("/tier", json={"tier": tier}).raise_for_status()
 
@@ -172,8 +210,8 @@ class Replica:
 class Bench:
     """The work directory and every engine process this bench starts (stopped in close)."""
 
-    def __init__(self, work: Path, s3_url: str | None) -> None:
-        self.work, self.data = work, work / "data"
+    def __init__(self, work: Path, s3_url: str | None, device: str = "cpu") -> None:
+        self.work, self.data, self.device = work, work / "data", device
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("EMBER_", "AWS_"))}
         self.env |= {"EMBER_DATA_DIR": str(self.data), "EMBER_LOG_LEVEL": "INFO",
                      "EMBER_LOG_FORMAT": "json"}  # fmt: skip
@@ -185,9 +223,13 @@ class Bench:
         """Standby processes fault in memory for the weights ahead, as the pools
         controller starts them (``EMBER_STANDBY_RESERVE_MAX_BYTES``)."""
 
-    def spawn(self, spec: dict[str, Any] | None, reserve_bytes: int = 0) -> Replica:
+    def spawn(
+        self, spec: dict[str, Any] | None, reserve_bytes: int = 0, exe: str = EMBER
+    ) -> Replica:
         port = free_port()
-        cmd = [EMBER, "engine", "--port", str(port)]
+        cmd = [exe, "engine", "--port", str(port)]
+        if self.device != "cpu":
+            cmd += ["--device", self.device]
         if spec is None:
             cmd.append("--standby")
             if reserve_bytes:
@@ -198,10 +240,11 @@ class Bench:
             cmd += ["--spec-file", str(spec_file)]
         log = self.work / f"engine-{port}.log"
         secret = secrets.token_urlsafe(32)  # the replica API's, as the local backend makes it
-        env = self.env | {REPLICA_SECRET_ENV: secret}
+        env = self.env | {REPLICA_SECRET_ENV: secret} | (VLLM_ENV if exe != EMBER else {})
         with log.open("wb") as out:
             wall, t0 = time.time(), time.perf_counter()
-            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)  # fmt: skip
         replica = Replica(proc, f"http://127.0.0.1:{port}", log, t0, wall, secret)
         self.live.append(replica)
         return replica
@@ -216,6 +259,8 @@ class Bench:
         except subprocess.TimeoutExpired:
             replica.proc.kill()
             replica.proc.wait(10)
+        with suppress(ProcessLookupError, PermissionError):  # vLLM's engine core, if left
+            os.killpg(replica.proc.pid, signal.SIGKILL)
         self.live.remove(replica)
         replica.log.unlink(missing_ok=True)
 
@@ -316,11 +361,12 @@ def from_info(info: dict[str, Any]) -> dict[str, Any]:
             "weights_gbps": report.get("gbps"), "cache": report.get("cache", "")}  # fmt: skip
 
 
-def cold_start(replica: Replica, model: Model, resident: float | None) -> Sample:
-    """Spawned just now: wait until it listens and is ready, then the first forward."""
+def cold_start(replica: Replica, model: Model, resident: float | None, llm: bool = False) -> Sample:
+    """Spawned just now: wait until it listens and is ready, then the first forward (an
+    LLM's: its first streamed token)."""
     listen = replica.wait_listening()
     replica.wait_ready()
-    forward = replica.infer(model.instance)
+    forward = replica.first_token(model.instance) if llm else replica.infer(model.instance)
     total = time.perf_counter() - replica.spawned
     info = replica.client.get("/info").json()
     return Sample(total, replica.imports_s(), listen, forward_s=forward, resident=resident,
@@ -402,14 +448,83 @@ def one_run(
     return out
 
 
-def warm_up(bench: Bench) -> None:
+def warm_up(bench: Bench, llm: bool = False) -> None:
     """One untimed engine start: the first spawn after the artifacts were written would
-    otherwise read Python's and torch's files back from the disk (a cold host)."""
+    otherwise read Python's and torch's files back from the disk (a cold host). With the
+    LLM, vLLM's environment is read once too (an import of its serving stack)."""
     replica = bench.spawn(None)
     try:
         replica.wait_listening()
     finally:
         bench.stop(replica)
+    if llm:
+        code = "import vllm.engine.arg_utils, vllm.entrypoints.openai.api_server, transformers"
+        subprocess.run([str(VLLM_EMBER.with_name("python")), "-c", code], check=True,
+                       env=bench.env | VLLM_ENV, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)  # fmt: skip
+
+
+# --- the LLM: a sharded tiny Llama through vLLM -------------------------------------------
+def build_llm(objects: Path) -> Model:
+    """The tiny Llama as a sharded checkpoint (written by a child process: the bench stays
+    torch-free), registered as a directory version: its manifest and the manifest's digest."""
+    from ember.loader.manifest import Manifest, ManifestFile
+
+    folder = objects / LLM / "1"
+    subprocess.run([sys.executable, "-m", "ember.engine.examples.tiny_llm", str(folder),
+                    "--shards"], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)  # fmt: skip
+    manifest = Manifest.of(ManifestFile(path=p.name, size=p.stat().st_size, sha256=sha256_of(p))
+                           for p in sorted(folder.iterdir()))  # fmt: skip
+    spec = {"model": LLM, "version": "1", "artifact_uri": folder.as_uri() + "/",
+            "sha256": manifest.digest, "files": [f.model_dump() for f in manifest.files],
+            "engine": "vllm", "engine_config": LLM_CONFIG}  # fmt: skip
+    return Model(LLM, spec, folder, "The loader streams")
+
+
+def llm_cached(bench: Bench) -> list[Path]:
+    """The LLM's files in the NVMe cache (one entry per file of the manifest)."""
+    found = list((bench.data / "cache" / "v1" / LLM).glob("*/*/f/*/weights.*"))
+    if not found:
+        raise RuntimeError(f"no cache entry for {LLM}")
+    return found
+
+
+def llm_standby(bench: Bench, model: Model) -> Sample:
+    """A standby process of vLLM's environment is up; ``/assign`` (the version in the
+    cache, its pages dropped) + the first streamed token."""
+    replica = bench.spawn(None, exe=str(VLLM_EMBER))
+    try:
+        replica.wait_listening()
+        replica.client.get("/healthz").raise_for_status()
+        resident = max(make_cold(p) for p in llm_cached(bench))
+        t0 = time.perf_counter()
+        r = replica.client.post("/assign", json=model.spec)
+        if r.status_code != 200:
+            raise RuntimeError(f"/assign answered {r.status_code}: {r.text[:500]}")
+        forward = replica.first_token(model.instance)
+        return Sample(time.perf_counter() - t0, forward_s=forward, resident=resident,
+                      **from_info(r.json()))  # fmt: skip
+    finally:
+        bench.stop(replica)
+
+
+def llm_run(bench: Bench, model: Model) -> dict[str, list[Sample]]:
+    """Cold from the store (an empty cache, the store's pages dropped), then standby."""
+    bench.empty_cache()
+    resident = max(make_cold(p) for p in model.store_path.iterdir())
+    replica = bench.spawn(model.spec, exe=str(VLLM_EMBER))
+    try:
+        cold = cold_start(replica, model, resident, llm=True)
+    finally:
+        bench.stop(replica)
+    return {"cold-store": [cold], "standby": [llm_standby(bench, model)]}
+
+
+def llm_missing() -> str | None:
+    """Why the LLM cannot be measured here, or None."""
+    if not VLLM_EMBER.exists():
+        return f"{VLLM_EMBER.relative_to(ROOT)} is absent: build it with scripts/vllm-venv.sh"
+    return None
 
 
 # --- report -------------------------------------------------------------------------------
@@ -454,6 +569,20 @@ def tier_s(results: dict[str, dict[str, list[Sample]]], name: str, tier: str) ->
 def summary(
     results: dict[str, dict[str, list[Sample]]], disk: list[list[float]], size: int
 ) -> dict[str, Any]:
+    out: dict[str, Any] = models_summary(results, disk, size) if "mlp-1g" in results else {}
+    out["llm_standby_first_token_s"] = tier_s(results, "llm", "standby")
+    out["llm_cold_store_first_token_s"] = tier_s(results, "llm", "cold-store")
+    llm = results.get("llm", {})
+    weights = med([x.weights_s for t in LLM_TIERS for x in llm.get(t, [])])
+    out["llm_weights_s"] = round(weights, 4) if weights is not None else None
+    out["breakdown"] = breakdown(results)
+    return out
+
+
+def models_summary(
+    results: dict[str, dict[str, list[Sample]]], disk: list[list[float]], size: int
+) -> dict[str, Any]:
+    """The torch and transformers models' figures (the keys this bench has always had)."""
     disk_gbps = statistics.median(d[0] for d in disk)
     target = size / (0.8 * disk_gbps * GB) + 0.5
     standby_s = tier_s(results, "mlp-1g", "standby")
@@ -482,7 +611,6 @@ def summary(
     imports = med([x.imports_s for t in ("cold-nvme", "cold-store")
                    for x in results["mlp-1g"][t]])  # fmt: skip
     out["imports_s"] = round(imports, 3) if imports is not None else None
-    out["breakdown"] = breakdown(results)
     return out
 
 
@@ -506,15 +634,19 @@ def main() -> None:
     ap.add_argument("--standby-reserve", action=argparse.BooleanOptionalAction, default=True,
                     help="standby processes fault in the weights' memory ahead, as the "
                          "controller starts them")  # fmt: skip
+    ap.add_argument("--device", default="cpu",
+                    help="the replicas' device (ember engine --device): cpu, cuda")  # fmt: skip
+    ap.add_argument("--only", choices=("all", "models", "llm"), default="all",
+                    help="models: minilm and the 1 GiB MLP; llm: the sharded Llama")  # fmt: skip
     args = ap.parse_args()
     began, load_before = time.perf_counter(), os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="ember-bench-coldstart-"))
+    llm_skipped = llm_missing() if args.only != "models" else "--only models"
+    if llm_skipped and args.only != "models":
+        print(f"# the LLM is skipped: {llm_skipped}", file=sys.stderr)
     try:
-        if args.s3:
-            with moto_server() as url:
-                results, disk, size, peak_rss = measure(work, args.runs, url, args.standby_reserve)
-        else:
-            results, disk, size, peak_rss = measure(work, args.runs, None, args.standby_reserve)
+        with moto_server() if args.s3 and args.only != "llm" else nullcontext() as url:
+            results, disk, size, peak_rss = measure(work, args, url, llm_skipped is None)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print_table(results)
@@ -522,6 +654,8 @@ def main() -> None:
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
     kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / GIB
     out |= {
+        "llm_skipped": llm_skipped,
+        "device": args.device,
         "runs": args.runs,
         "standby_reserve": args.standby_reserve,
         "cpus": os.cpu_count(),
@@ -532,29 +666,36 @@ def main() -> None:
         "max_child_rss_gib": round(kids, 2),
         "wall_s": round(time.perf_counter() - began, 1),
     }
-    print(
-        f"\ndisk O_DIRECT {out['disk_gbps']:.2f} GB/s (1 thread {out['disk_1thread_gbps']:.2f}); "
-        f"target: {size / GIB:.3f} GiB / (0.8 x disk) + 0.5 s = "
-        f"{out['load_1gib_at_80pct_disk_s']:.3f} s; standby (page cache dropped) "
-        f"{out['standby_1gib_s']:.3f} s -> {'met' if out['met'] else 'NOT met'}; "
-        f"load average {out['loadavg_before']} -> {out['loadavg_after']} on {out['cpus']} CPUs"
-    )
+    if "disk_gbps" in out:
+        print(
+            f"\ndisk O_DIRECT {out['disk_gbps']:.2f} GB/s (1 thread "
+            f"{out['disk_1thread_gbps']:.2f}); target: {size / GIB:.3f} GiB / (0.8 x disk) + "
+            f"0.5 s = {out['load_1gib_at_80pct_disk_s']:.3f} s; standby (page cache dropped) "
+            f"{out['standby_1gib_s']:.3f} s -> {'met' if out['met'] else 'NOT met'}"
+        )
+    if out["llm_cold_store_first_token_s"] is not None:
+        print(f"LLM (sharded, vLLM): first token from standby "
+              f"{out['llm_standby_first_token_s']} s, cold from the store "
+              f"{out['llm_cold_store_first_token_s']} s")  # fmt: skip
+    print(f"load average {out['loadavg_before']} -> {out['loadavg_after']} on {out['cpus']} CPUs")
     print(json.dumps(out))
 
 
 def measure(
-    work: Path, runs: int, s3_url: str | None, reserve: bool = True
+    work: Path, args: argparse.Namespace, s3_url: str | None, llm: bool
 ) -> tuple[dict[str, dict[str, list[Sample]]], list[list[float]], int, float]:
-    began, bench = time.perf_counter(), Bench(work, s3_url)
-    bench.reserve = reserve
+    began, bench = time.perf_counter(), Bench(work, s3_url, args.device)
+    bench.reserve = args.standby_reserve
     try:
         print("# building the artifacts ...", file=sys.stderr)
-        models = [build_minilm(bench.data / "objects"), build_mlp(bench.data / "objects")]
-        s3_spec = upload_to_s3(s3_url, models[0]) if s3_url else None
+        objects = bench.data / "objects"
+        models = [build_minilm(objects), build_mlp(objects)] if args.only != "llm" else []
+        llm_model = build_llm(objects) if llm else None
+        s3_spec = upload_to_s3(s3_url, models[0]) if s3_url and models else None
         results: dict[str, dict[str, list[Sample]]] = {m.name: {} for m in models}
         disk: list[list[float]] = []
-        warm_up(bench)
-        for run in range(runs):
+        warm_up(bench, llm)
+        for run in range(args.runs):
             for model in models:
                 big = model.name == "mlp-1g"
                 got = one_run(bench, model, None if big else s3_spec, big)
@@ -562,9 +703,13 @@ def measure(
                     disk.append(got.pop("disk"))
                 for tier, samples in got.items():
                     results[model.name].setdefault(tier, []).extend(samples)
-            print(f"# run {run + 1}/{runs} done at {time.perf_counter() - began:.0f} s",
+            if llm_model is not None:
+                for tier, samples in llm_run(bench, llm_model).items():
+                    results.setdefault("llm", {}).setdefault(tier, []).extend(samples)
+            print(f"# run {run + 1}/{args.runs} done at {time.perf_counter() - began:.0f} s",
                   file=sys.stderr)  # fmt: skip
-        return results, disk, models[1].nbytes, bench.peak_rss_gib
+        size = models[1].nbytes if models else 0
+        return results, disk, size, bench.peak_rss_gib
     finally:
         bench.close()
 

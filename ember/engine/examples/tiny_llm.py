@@ -10,7 +10,12 @@ The text it generates is noise — the weights are random — but every layer of
 serving path (tokenizer, weights through Ember's loader, vLLM's scheduler, the OpenAI
 routes, token counts) is real. Build it with::
 
-    python -m ember.engine.examples.tiny_llm OUT_DIR
+    python -m ember.engine.examples.tiny_llm OUT_DIR [--shards]
+
+``--shards`` (``build_tiny_llm(dir, sharded=True)``) writes the weights the way every large
+model ships them: transformers' own ``save_pretrained(max_shard_size=SHARD_SIZE)`` splits
+them into ``model-0000i-of-0000n.safetensors`` shards (four at this size) with a
+``model.safetensors.index.json`` beside the config, generation config and tokenizer.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from typing import Any
 SEED = 1234
 VOCAB_SIZE = 2048
 MAX_POSITIONS = 512
+SHARD_SIZE = "1MB"
+"""``max_shard_size`` of the sharded layout (3.3 MB of weights): four shards, the 1 MiB
+embedding and output matrices each in one of their own, a layer split across two."""
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
 # Keyword arguments of the tokenizer (names ending in _token are not secrets).
 _SPECIAL_ARGS = {
@@ -95,8 +103,9 @@ def build_tokenizer(out_dir: Path) -> Any:
     return fast
 
 
-def build_tiny_llm(out_dir: Path) -> Path:
-    """Write the tiny LLM artifact (weights, config, tokenizer) into ``out_dir``."""
+def build_tiny_llm(out_dir: Path, *, sharded: bool = False) -> Path:
+    """Write the tiny LLM artifact (weights, config, tokenizer) into ``out_dir``: one
+    ``model.safetensors``, or with ``sharded`` shards and their index (``SHARD_SIZE``)."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -120,7 +129,8 @@ def build_tiny_llm(out_dir: Path) -> Path:
     torch.manual_seed(SEED)
     model: Any = LlamaForCausalLM(config)
     model.eval()
-    model.save_pretrained(out_dir, safe_serialization=True)
+    shard_size = SHARD_SIZE if sharded else "50GB"  # transformers' default: one file here
+    model.save_pretrained(out_dir, safe_serialization=True, max_shard_size=shard_size)
     generation_config: Any = GenerationConfig
     generation_config(
         bos_token_id=config.bos_token_id,
@@ -131,10 +141,13 @@ def build_tiny_llm(out_dir: Path) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m ember.engine.examples.tiny_llm OUT_DIR", file=sys.stderr)
+    sharded = "--shards" in argv
+    args = [a for a in argv if a != "--shards"]
+    if len(args) != 1 or args[0].startswith("-"):
+        print("usage: python -m ember.engine.examples.tiny_llm OUT_DIR [--shards]",
+              file=sys.stderr)  # fmt: skip
         return 2
-    out = build_tiny_llm(Path(argv[0]))
+    out = build_tiny_llm(Path(args[0]), sharded=sharded)
     for path in sorted(out.iterdir()):
         print(f"{path.stat().st_size:>10}  {path}")
     return 0
