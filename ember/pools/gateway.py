@@ -88,6 +88,11 @@ class Prediction:
     hedged: bool = False
     replica_ms: str | None = None
     """The replica's own time for the answer (its ``X-Ember-Replica-Ms``), when one answered."""
+    timing: str | None = None
+    """``Server-Timing`` of a replica's answer: ``gateway`` (``predict``, whole), ``admit``
+    (the model rung until the answering hop went out: routes, admission, replica pick,
+    retries), ``hop`` (that hop's round trip), then the replica's own parts
+    (``ember.engine.server.server_timing``)."""
     content: bytes | None = None
     """The replica's answer as it came (``{"predictions", "model", "version"}``): routes that
     answer in that shape send these bytes on without decoding and re-encoding them."""
@@ -160,6 +165,13 @@ class Gateway:
         metrics.prediction_log = self.predictions
         metrics.response_cache = cache
 
+    def deployment_named(self, tenant_id: int, name: str) -> DeploymentView:
+        """The deployment called ``name`` (whatever model it serves), else the one serving
+        the model ``name`` (``deployment_for``): how the OpenAI routes, which list
+        deployments as models, find what a client names."""
+        view = self.controller.deployments.get((tenant_id, name))
+        return view if view is not None else self.deployment_for(tenant_id, name)
+
     def deployment_for(self, tenant_id: int, model: str) -> DeploymentView:
         """The deployment serving ``model``: the one named after it, else any of it (from
         the controller's view of the registry: no database read on the hot path)."""
@@ -224,6 +236,9 @@ class Gateway:
             except EmberError as exc:
                 self._log(view, tenant, chosen, instances, None, started, input_digest, exc, params)
                 raise
+            if result.timing is not None:
+                whole = (time.monotonic() - started) * 1000
+                result.timing = f"gateway;dur={whole:.3f}, {result.timing}"
             # The bookkeeping of an answer waits until it is on its way: the callback runs
             # on the loop's next turn, after the route has sent it, in this context (the
             # request id and model bindings of its log lines stay).
@@ -420,6 +435,7 @@ class Gateway:
             payload["timeout_ms"] = max(1.0, remaining_s * 1000)
             hedge_after = window.p95() if view.policy.hedge else None
             hedged = False
+            sent = time.monotonic()
             try:
                 if hedge_after is not None and hedge_after < remaining_s:
                     others = [r for r in candidates if r is not route]
@@ -466,7 +482,8 @@ class Gateway:
                 if response.status_code >= 500:
                     record_failure(route)
                 raise _passthrough(response)
-            elapsed = time.monotonic() - started
+            answered = time.monotonic()
+            elapsed = answered - started
             asyncio.get_running_loop().call_soon(  # after the answer is sent, as above
                 self._replica_answered, route, view, chosen, window, elapsed,
                 response.headers.get("x-ember-queue-ms"),
@@ -479,6 +496,7 @@ class Gateway:
                 attempts,
                 hedged=hedged,
                 replica_ms=response.headers.get("x-ember-replica-ms"),
+                timing=_hop_timing(started, sent, answered, response.headers.get("server-timing")),
                 content=response.content,
             )
 
@@ -835,3 +853,9 @@ def _passthrough(response: HopAnswer) -> Upstream:
             "detail": response.content.decode("utf-8", "replace")[:500],
         }
     return Upstream(response.status_code, body, response.headers.get("retry-after"))
+
+
+def _hop_timing(started: float, sent: float, answered: float, replica: str | None) -> str:
+    """The model rung's ``Server-Timing`` parts (``Prediction.timing``), the replica's after."""
+    ours = f"admit;dur={(sent - started) * 1000:.3f}, hop;dur={(answered - sent) * 1000:.3f}"
+    return f"{ours}, {replica}" if replica else ours

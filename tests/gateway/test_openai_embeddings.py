@@ -164,3 +164,22 @@ def test_text_tensors_over_v2_match_the_embeddings(platform: Live) -> None:
             np.testing.assert_allclose(result.as_numpy("output"), expected, atol=1e-6)
     finally:
         triton.close()
+
+
+def test_a_deployment_is_found_by_its_own_name(platform: Live) -> None:
+    """``/openai/v1/models`` lists deployments, so a deployment named otherwise than its
+    model is called by that name (it was looked up as a model, and not found)."""
+    body = {"name": "search", "model": "minilm", "version": "1"}
+    created = platform.client.post("/v1/deployments", json=body)
+    assert created.status_code == 201, created.text
+    try:
+        platform.wait(lambda: bool(platform.ready("search")), "a ready replica of search")
+        client = _client(platform)
+        assert "search" in [m.id for m in client.models.list().data]
+        raw = client.embeddings.with_raw_response.create(model="search", input=TEXTS[0])
+        assert raw.headers["x-ember-deployment"] == "search"
+        got = np.asarray(raw.parse().data[0].embedding, dtype=np.float32)
+        np.testing.assert_allclose(got, _predict(platform, TEXTS[:1])[0], rtol=0, atol=1e-6)
+        assert client.embeddings.create(model="search:1", input="x").model == "search:1"
+    finally:
+        platform.client.delete("/v1/deployments/search")

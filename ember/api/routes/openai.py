@@ -120,7 +120,7 @@ def _target(gateway: Gateway, tenant_id: int, model: str) -> tuple[DeploymentVie
     name, sep, version = model.partition(":")
     if not name or (sep and not version):
         raise MalformedRequest(f"model {model!r} must be a deployment or name:version")
-    view = gateway.deployment_for(tenant_id, name)
+    view = gateway.deployment_named(tenant_id, name)
     if version and version not in view.specs:
         raise NotFound(f"model {model!r} does not exist: version {version!r} is not served")
     return view, version or None
@@ -268,7 +268,7 @@ async def embeddings(
             data.append(Embedding(index=index, embedding=vector))
     # The replica does not report token counts for embeddings yet: usage reads zero.
     usage = EmbeddingUsage(prompt_tokens=0, total_tokens=0)
-    served = f"{view.model}:{result.version}"
+    served = f"{view.name}:{result.version}"
     return EmbeddingResponse(data=data, model=served, usage=usage)
 
 
@@ -305,7 +305,7 @@ async def _generate(
         view,
         principal.tenant,
         path,
-        lambda chosen: document | {"model": f"{view.model}:{chosen}"},
+        lambda chosen: document | {"model": f"{view.name}:{chosen}"},
         priority=_priority(priority_header),
         timeout_ms=float(view.policy.timeout_ms),
         input_size=_text_size(document.get(text_field)) / 4 + 1,
