@@ -157,7 +157,8 @@ def test_links_out_of_the_cache_entrys_blobs_are_refused(
     link.unlink()
     link.symlink_to(next((other / "blobs").iterdir()))
     refused = run(env, "models", "import-hf", "org/tiny", "-n", "tiny", "-v", "1")
-    assert refused.returncode == 1 and "outside the cache entry's blobs/" in refused.stderr
+    said = " ".join(refused.stderr.split())  # the console wraps long paths
+    assert refused.returncode == 1 and "outside the cache entry's blobs/" in said
     assert not (Path(env["EMBER_DATA_DIR"]) / "objects" / "artifacts").exists()  # nothing sent
 
 

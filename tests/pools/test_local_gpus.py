@@ -199,7 +199,8 @@ def test_through_the_api_a_replica_queues_for_gpus_and_starts_when_they_free(
     with live_api(data_dir, standby_replicas=1, gpus="0,1") as live:
 
         def standby_ready() -> bool:
-            return _metric(live, "ember_replicas", deployment="(standby)", state="standby") == 1
+            # at least one: the pool may have grown to cover the asks it saw
+            return _metric(live, "ember_replicas", deployment="(standby)", state="standby") >= 1
 
         for model in ("cpu", "big", "small"):
             live.register(model, "1")
