@@ -36,6 +36,12 @@ class Item:
     future: asyncio.Future[Any]
     enqueued: float = field(default_factory=time.monotonic)
     dispatched: float = 0.0
+    free_since: float = 0.0
+    """When the batcher last became free to take a batch, as of this item's dispatch: the
+    item's wait before it is the queue (earlier batches computing), after it the batch
+    window."""
+    forward: tuple[float, float] = (0.0, 0.0)
+    """(start, end) of its batch's forward pass, as the compute thread saw them."""
 
 
 class Scheduler:
@@ -49,6 +55,7 @@ class Scheduler:
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="ember-forward")
         self._gap_s = float("inf")  # EWMA of the time between arrivals (requests, not probes)
         self._last_arrival: float | None = None
+        self._free_since = 0.0
         self._task: asyncio.Task[None] | None = None
 
     # --- submission -----------------------------------------------------------------
@@ -63,7 +70,10 @@ class Scheduler:
         """Outputs for ``instances`` in order; raises a typed ``EmberError`` otherwise.
 
         ``timing``, if given, receives ``queue_s``: how long the request's instances waited
-        before their forward pass began (the longest of them)."""
+        before their forward pass began (the longest of them); and, for the instance whose
+        forward pass ended last, ``busy_s`` (of its wait, while earlier batches computed),
+        ``window_s`` (while the batcher held the batch open), ``forward_s`` (its batch's
+        forward pass) and ``handoff_s`` (to and from the compute thread)."""
         sized = [self._admit_one(value) for value in instances]
         return await self._submit(sized, priority, timeout_ms, timing)
 
@@ -139,6 +149,7 @@ class Scheduler:
         )
         if timing is not None:
             timing["queue_s"] = queue_s
+            timing.update(_segments(max(items, key=lambda i: i.forward[1]), time.monotonic()))
         return list(results)
 
     def _arrived(self, now: float) -> None:
@@ -187,6 +198,7 @@ class Scheduler:
         continuous = self.engine.aforward is not None
         running: set[asyncio.Task[None]] = set()
         while True:
+            self._free_since = time.monotonic()
             await self._wait_for_batch()
             batch = self._take_batch()
             if not batch:
@@ -259,6 +271,7 @@ class Scheduler:
                     return batch
                 item = queue.popleft()
                 item.dispatched = now
+                item.free_since = self._free_since
                 batch.append(item)
                 units += size
             self.metrics.depth(priority, len(queue))
@@ -269,15 +282,25 @@ class Scheduler:
         values = [i.sized.value for i in batch]
         try:
             if self.engine.aforward is not None:
+                began = time.monotonic()
                 outputs = await self.engine.aforward(values)
+                span = (began, time.monotonic())
             else:
-                outputs = await loop.run_in_executor(self._compute, self.engine.forward, values)
+                outputs, span = await loop.run_in_executor(self._compute, self._timed, values)
+            for item in batch:
+                item.forward = span
             if len(outputs) != len(batch):
                 raise EngineError(f"engine returned {len(outputs)} outputs for {len(batch)} inputs")
         except Exception as exc:
             await self._isolate(batch, exc)
         else:
             self._finish(batch, outputs)
+
+    def _timed(self, values: list[Any]) -> tuple[list[Any], tuple[float, float]]:
+        """The forward pass in the compute thread, and when it ran there."""
+        began = time.monotonic()
+        outputs = self.engine.forward(values)
+        return outputs, (began, time.monotonic())
 
     async def _isolate(self, batch: list[Item], exc: Exception) -> None:
         """One bad instance must not fail its batch-mates: retry them one by one."""
@@ -309,3 +332,19 @@ class Scheduler:
         self.metrics.forward_passes.labels(**self.metrics.labels).inc()
         self.metrics.batch_size.labels(**self.metrics.labels).observe(len(done))
         self.metrics.inferences.labels(**self.metrics.labels).inc(len(done))
+
+
+def _segments(item: Item, resumed: float) -> dict[str, float]:
+    """Where ``item``'s time in the scheduler went (seconds), up to ``resumed``: its wait
+    while earlier batches computed and while the batch window was open, the hand-offs to
+    and from the compute thread (and the caller's wake-up), its batch's forward pass."""
+    start, end = item.forward
+    if not end:  # not computed here (never the case for an answered item)
+        return {}
+    free = min(max(item.free_since, item.enqueued), item.dispatched)
+    return {
+        "busy_s": free - item.enqueued,
+        "window_s": item.dispatched - free,
+        "forward_s": max(0.0, end - start),
+        "handoff_s": max(0.0, start - item.dispatched) + max(0.0, resumed - max(end, start)),
+    }

@@ -119,6 +119,21 @@ async def _refuse(scope: Scope, send: Send) -> None:
     await send({"type": "http.response.body", "body": response.body})
 
 
+TIMING_PARTS = (("queue", "busy_s"), ("batch", "window_s"), ("handoff", "handoff_s"),
+                ("forward", "forward_s"))  # fmt: skip
+"""``Server-Timing`` metric names of the scheduler's ``timing`` entries."""
+
+
+def server_timing(timing: dict[str, float], replica_ms: str) -> str:
+    """The replica's ``Server-Timing`` value (W3C): ``queue`` (waiting while earlier batches
+    computed), ``batch`` (waiting for the batch window), ``handoff`` (to and from the
+    compute thread), ``forward`` (the batch's forward pass) — for the request's instance
+    whose forward pass ended last — and ``replica``, its whole time (``X-Ember-Replica-Ms``);
+    what ``replica`` holds beyond the others is reading the body and building the answer."""
+    parts = [f"{name};dur={timing[key] * 1000:.3f}" for name, key in TIMING_PARTS if key in timing]
+    return ", ".join([*parts, f"replica;dur={replica_ms}"])
+
+
 def create_replica_app(
     replica: Replica, spec: VersionSpec | None, secret: str | None = None
 ) -> FastAPI:
@@ -167,7 +182,8 @@ def create_replica_app(
         """The answer to ``/infer`` and its headers (the route and the lean lane share it).
         ``X-Ember-Queue-Ms``: time queued for a batch; ``X-Ember-Replica-Ms``: time from
         the request's body read (``began``, ``perf_counter``) to the answer built, so a
-        caller can tell the replica's time from everything around it."""
+        caller can tell the replica's time from everything around it; ``Server-Timing``:
+        that time's parts (``server_timing``)."""
         try:
             default = "online" if isinstance(body, TensorBody) else body.priority
             priority = Priority.parse(priority_header or default)
@@ -185,7 +201,11 @@ def create_replica_app(
                   "version": replica.spec.version}  # fmt: skip
         queue_ms = f"{timing.get('queue_s', 0.0) * 1000:.3f}"
         replica_ms = f"{(time.perf_counter() - began) * 1000:.3f}"
-        return answer, headers() | {"X-Ember-Queue-Ms": queue_ms, "X-Ember-Replica-Ms": replica_ms}
+        return answer, headers() | {
+            "X-Ember-Queue-Ms": queue_ms,
+            "X-Ember-Replica-Ms": replica_ms,
+            "Server-Timing": server_timing(timing, replica_ms),
+        }
 
     @app.post("/infer")
     async def infer(

@@ -61,8 +61,11 @@ class PredictResponse(BaseModel):
 def prediction_headers(result: Prediction) -> list[tuple[str, str]]:
     """Which deployment, version, replica and ladder rung served an answer, and the
     replica's own time for it (``x-ember-replica-ms``; the rest of the latency is Ember's
-    gateway and the network)."""
+    gateway and the network; ``server-timing``: the gateway's and the replica's parts, see
+    ``Prediction.timing``)."""
     timing = [] if result.replica_ms is None else [("x-ember-replica-ms", result.replica_ms)]
+    if result.timing is not None:
+        timing.append(("server-timing", result.timing))
     return [
         *timing,
         ("x-ember-deployment", result.deployment),
