@@ -56,8 +56,10 @@ def test_a_lone_request_does_not_wait_for_a_batch(
 def test_health_probe_jumps_a_full_queue_and_overflow_is_429(
     start_engine: StartEngine, slow_spec: dict[str, Any]
 ) -> None:
+    # 2.5 s a forward pass: on a loaded machine the five requests may take over a second to
+    # arrive, and the queue must still be full when the last one does.
     slower = dict(
-        slow_spec, engine_config={**slow_spec["engine_config"], "kwargs": {"delay_s": 1.0}}
+        slow_spec, engine_config={**slow_spec["engine_config"], "kwargs": {"delay_s": 2.5}}
     )
     engine = start_engine(
         slower, "--max-batch-size", "1", "--max-queue", "4", "--max-queue-delay-ms", "0"
