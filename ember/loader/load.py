@@ -224,14 +224,8 @@ class WeightLoader:
 
     def _ensure(self, spec: VersionSpec, manifest: Manifest, path: str, key: CacheKey) -> None:
         """The file's entry filled and verified (single-flight)."""
-        if self.cache.lookup(key) is not None:
-            return
-        with self.cache.fill_lock(key):
-            if self.cache.checked(key) is not None:
-                return
-            store = open_store(spec.artifact_uri, self.settings)
-            info = _file_info(store, spec.artifact_uri, manifest, path)
-            self.cache.fill(key, store, info)
+        uri = spec.artifact_uri
+        self._fill_once(key, uri, lambda store: _file_info(store, uri, manifest, path))
 
     def _load_manifest(
         self,
@@ -297,15 +291,21 @@ class WeightLoader:
 
     def warm(self, model: str, version: str, uri: str, sha256: str) -> FillResult | None:
         """Fill the cache entry without loading it (``None``: it was already there)."""
-        key = CacheKey(model, version, sha256)
         with model_context(model, version):
-            if self.cache.lookup(key) is not None:
+            return self._fill_once(CacheKey(model, version, sha256), uri, lambda s: s.stat(uri))
+
+    def _fill_once(
+        self, key: CacheKey, uri: str, info: Callable[[ObjectStore], ObjectInfo]
+    ) -> FillResult | None:
+        """Fill ``key`` from the object ``info`` stats, single-flight across threads and
+        processes, unless it is (verified) there already (``None``)."""
+        if self.cache.lookup(key) is not None:
+            return None
+        with self.cache.fill_lock(key):
+            if self.cache.checked(key) is not None:
                 return None
-            with self.cache.fill_lock(key):
-                if self.cache.checked(key) is not None:
-                    return None
-                store = open_store(uri, self.settings)
-                return self.cache.fill(key, store, store.stat(uri))
+            store = open_store(uri, self.settings)
+            return self.cache.fill(key, store, info(store))
 
     def _load(
         self, ws: WeightStream, key: CacheKey, uri: str, device: str, into: Targets | None

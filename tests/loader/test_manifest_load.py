@@ -177,15 +177,24 @@ def _child(settings: dict[str, Any], spec: dict[str, Any], start: Any, out: Any)
     out.put((loaded.report.cache, loaded.report.bytes_fetched, _tensor_digest(loaded.tensors)))
 
 
-@pytest.mark.s3
-def test_two_processes_filling_one_directory_download_each_file_once(
+@pytest.fixture
+def s3_dir(
     data_dir: Path, tmp_path: Path, faulty_proxy: FaultyProxy, bucket: str
-) -> None:
+) -> tuple[Settings, Path, dict[str, torch.Tensor], VersionSpec]:
+    """The checkpoint in moto (behind the faulty proxy), registered: settings, local copy,
+    tensors, spec."""
     folder = tmp_path / "llm"
     sd = write_checkpoint(folder)
     uri = _upload_dir(faulty_proxy.upstream, bucket, "models/llm", folder)
     settings = s3_settings(data_dir, faulty_proxy.url)
-    spec = spec_for(uri, settings)
+    return settings, folder, sd, spec_for(uri, settings)
+
+
+@pytest.mark.s3
+def test_two_processes_filling_one_directory_download_each_file_once(
+    data_dir: Path, faulty_proxy: FaultyProxy, s3_dir: Any
+) -> None:
+    _, folder, sd, spec = s3_dir
     assert [f.path for f in spec.files or ()] == sorted(p.name for p in folder.iterdir())
     faulty_proxy.gets = 0
     faulty_proxy.delay_s = 0.2  # both processes are inside the load while the fills run
@@ -210,14 +219,8 @@ def test_two_processes_filling_one_directory_download_each_file_once(
 
 
 @pytest.mark.s3
-def test_an_s3_directory_loads_with_its_sidecars(
-    data_dir: Path, tmp_path: Path, faulty_proxy: FaultyProxy, bucket: str
-) -> None:
-    folder = tmp_path / "llm"
-    sd = write_checkpoint(folder)
-    uri = _upload_dir(faulty_proxy.upstream, bucket, "models/llm", folder)
-    settings = s3_settings(data_dir, faulty_proxy.url)
-    spec = spec_for(uri, settings)
+def test_an_s3_directory_loads_with_its_sidecars(faulty_proxy: FaultyProxy, s3_dir: Any) -> None:
+    settings, folder, sd, spec = s3_dir
     faulty_proxy.faults = ["503", "cut"]  # retried, never mixed in
     loader = WeightLoader(settings)
     loaded = loader.load_version(spec)
