@@ -8,6 +8,7 @@ import json
 import time
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -177,3 +178,35 @@ def test_a_huge_index_is_refused_without_parsing_it(api: Api, store_dir: Path) -
     finally:
         tracemalloc.stop()
     assert peak < total / 4, (peak, total)
+
+
+def test_a_tenant_registers_only_directories_under_its_own_prefix(
+    api: Api, store_dir: Path
+) -> None:
+    """A directory is confined like a file: under the tenant's prefix, every file of it;
+    another tenant's directory (or one linking into it) is refused, and the refusal is the
+    same whether or not it exists."""
+    acme = api.tenant_client("acme")
+    own = store_dir / "artifacts" / "acme" / "llm"
+    write_sharded(own, {A: ["a"], B: ["b"]})
+    theirs = store_dir / "artifacts" / "other" / "llm"
+    write_sharded(theirs, {A: ["a"], B: ["b"]})
+    acme.post("/v1/models", json={"name": "m"})
+    body = {"engine": "torch", "engine_config": MLP}
+
+    def register(version: str, folder: Path) -> Any:
+        uri = folder.as_uri() + "/"
+        return acme.post("/v1/models/m/versions",
+                         json={**body, "version": version, "artifact_uri": uri})  # fmt: skip
+
+    ok = register("1", own)
+    assert ok.status_code == 201, ok.text
+    details: list[str] = []
+    for target in (theirs, store_dir / "artifacts" / "other" / "nothing-here"):
+        refused = register("2", target)
+        detail = str(problem(refused, 422, "store-access-denied")["detail"])
+        details.append(detail.replace(target.as_uri(), "URI"))
+        assert "artifacts/other" not in details[-1]
+    assert details[0] == details[1]  # says nothing of what exists there
+    (own / "tokenizer.json").symlink_to(theirs / "config.json")  # a link out of the prefix
+    problem(register("3", own), 422, "store-access-denied")
