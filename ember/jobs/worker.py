@@ -157,10 +157,11 @@ ALIVE_EVERY_S = 10.0
 """How often a running worker touches its liveness file."""
 
 
-def alive_file() -> Path:
+def alive_file(pid: int | None = None) -> Path:
     """The file a running worker touches every ``ALIVE_EVERY_S`` and ``ember worker
-    --ping`` reads (in the container's own temp directory: one per host and user)."""
-    return Path(tempfile.gettempdir()) / f"ember-worker-{os.getuid()}.alive"
+    --ping`` reads (in the temp directory: one per user and worker process, so a worker
+    that stops never removes another's)."""
+    return Path(tempfile.gettempdir()) / f"ember-worker-{os.getuid()}-{pid or os.getpid()}.alive"
 
 
 def _keep_alive(stop: threading.Event) -> None:
@@ -174,10 +175,14 @@ def worker_alive(max_age_s: float = 6 * ALIVE_EVERY_S) -> bool:
     """Whether a worker of this host touched its liveness file within ``max_age_s``: the
     worker pod's liveness probe (``ember worker --ping``; Celery's remote control, and so
     its broadcast ping, is off)."""
-    try:
-        return time.time() - alive_file().stat().st_mtime <= max_age_s
-    except FileNotFoundError:
-        return False
+    now = time.time()
+    for path in alive_file().parent.glob(f"ember-worker-{os.getuid()}-*.alive"):
+        try:
+            if now - path.stat().st_mtime <= max_age_s:
+                return True
+        except FileNotFoundError:
+            continue
+    return False
 
 
 def _freeze_when_ready() -> Callable[..., None]:

@@ -231,7 +231,11 @@ def test_through_the_api_a_replica_queues_for_gpus_and_starts_when_they_free(
         assert [e["reason"] for e in live.events("small") if e["event"] == "queued"] == [
             queued["reason"]
         ]
-        assert _metric(live, "ember_replicas", deployment="small", state="queued") == 1
+        live.wait(  # the metrics follow the controller's next pass
+            lambda: _metric(live, "ember_replicas", deployment="small", state="queued") == 1,
+            "the queued replica in the metrics",
+            30,
+        )
         # A placement that can never fit here fails with the reason, and stays failed.
         created = live.client.post("/v1/deployments", json={
             "model": "cpu", "name": "huge", "version": "1", "max_replicas": 1,
