@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: up test lint typecheck unit system-deps venv vllm-venv clean bench-loader bench-engine bench-serving bench-jobs bench-batch gpu-check
+.PHONY: up test lint typecheck unit docs system-deps system-chromium venv vllm-venv clean bench-loader bench-engine bench-serving bench-jobs bench-batch gpu-check
 
 ## up: install, start a local Redis if EMBER_REDIS_URL is unset, run Ember on :8000
 up: venv system-redis
@@ -15,8 +15,12 @@ up: venv system-redis
 ## test: install what the tests need, start their services, run lint, types and the suite
 ## test: install, start services, lint, types, the whole suite (scripts/test.sh: the vLLM
 ## venv build and the infra checks run in the background meanwhile)
-test: venv system-redis system-postgres
+test: venv system-redis system-postgres system-chromium
 	scripts/test.sh
+
+## docs: the manual (mkdocs.yml, docs/) built with --strict into build/site
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 unit: venv
 	$(PY) -m pytest -m "not infra and not slow"
@@ -51,7 +55,11 @@ system-postgres:
 	@command -v initdb >/dev/null || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
 	  || { apt-get update -qq && $(APT_INSTALL) postgresql; }
 
-system-deps: system-redis system-postgres
+# the dashboard's browser tests (tests/ui): Debian's chromium, driven by Python playwright
+system-chromium:
+	@command -v chromium >/dev/null || { apt-get update -qq && $(APT_INSTALL) chromium; }
+
+system-deps: system-redis system-postgres system-chromium
 
 bench-loader: venv
 	$(PIP) install -q -e ".[bench]"

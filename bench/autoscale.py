@@ -55,7 +55,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ember.pools.cli import (
+from ember.pools.replay import (
     BENCH_COST_MODEL,
     Deployment,
     make_autoscaler,

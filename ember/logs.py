@@ -54,7 +54,11 @@ def configure_logging(
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer()
         if as_json
-        else structlog.dev.ConsoleRenderer(colors=stream.isatty())
+        else structlog.dev.ConsoleRenderer(
+            colors=stream.isatty(),
+            # never a traceback's local variables: a key or a secret may be one of them
+            exception_formatter=structlog.dev.RichTracebackFormatter(show_locals=False),
+        )
     )
     structlog.configure(
         # Below-level events are dropped first, before the context merge and the
@@ -70,9 +74,10 @@ def configure_logging(
     )
     formatter = structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=[*_SHARED, structlog.stdlib.ExtraAdder()],
+        # JSON carries a traceback as a string; the console renderer draws its own.
         processors=[
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-            structlog.processors.format_exc_info,
+            *([structlog.processors.format_exc_info] if as_json else []),
             renderer,
         ],
     )

@@ -9,8 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
-from ember import cli
 from ember.api.app import create_app
+from ember.cli import server as cli
 from ember.config import Settings
 from tests import services
 from tests.api.conftest import ADMIN_KEY

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from ember.cli.cache import make_cache_app
 from ember.config import Settings
 from ember.errors import ArtifactError
 from ember.loader.cache import PART, CacheFull, CacheKey, EntryPinned, WeightCache
-from ember.loader.cli import make_cache_app
 from ember.loader.load import WeightLoader
 from ember.loader.stores import open_store
 from tests.loader.conftest import assert_same, write_artifact

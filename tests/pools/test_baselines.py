@@ -11,7 +11,7 @@ import numpy as np
 from ember.costmodel import CostModel
 from ember.pools import policies as pol
 from ember.pools.autoscaler import TierCounts
-from ember.pools.cli import BENCH_COST_MODEL, Deployment, make_autoscaler
+from ember.pools.replay import BENCH_COST_MODEL, Deployment, make_autoscaler
 from ember.pools.simulator import PROFILES, SimConfig, simulate
 from ember.pools.traces import daily_step, synthetic
 from tests.pools.conftest import obs

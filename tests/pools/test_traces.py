@@ -65,7 +65,7 @@ def test_traces_dir_is_next_to_the_repository() -> None:
 def test_simulate_command(tmp_path: Path) -> None:
     import typer
 
-    from ember.pools.cli import simulate_command
+    from ember.cli.simulate import simulate_command
 
     path = tmp_path / "AzureLLMInferenceTrace_code.csv"
     path.write_text(AZURE)

@@ -2,20 +2,22 @@
 
 Torch-free. ``warm`` needs a model version's artifact URI and sha256: the registry
 supplies them through a ``VersionResolver`` given to ``make_cache_app``; without one
-(or to bypass it) pass ``--uri`` and ``--sha256``. The ``cache_app`` below has no
-resolver; ``ember.cli`` mounts ``make_cache_app(<registry resolver>)`` as ``ember cache``.
+(or to bypass it) pass ``--uri`` and ``--sha256``. ``app``, what ``ember cache`` is,
+resolves them through the registry API (so a key sees only its own tenant's models).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Protocol
+from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
 import typer
 
-from ember.config import Settings, get_settings
-from ember.errors import EmberError, NotFound
-from ember.loader.cache import WeightCache
+from ember.cli.common import client
+from ember.errors import Conflict, EmberError, NotFound
+
+if TYPE_CHECKING:
+    from ember.config import Settings
 
 
 class VersionResolver(Protocol):
@@ -52,6 +54,9 @@ def make_cache_app(resolve: VersionResolver | None = None) -> typer.Typer:
     @app.command("ls")
     def ls() -> None:
         """List cache entries, least recently used first."""
+        from ember.config import get_settings
+        from ember.loader.cache import WeightCache
+
         settings = get_settings()
         cache = WeightCache.from_settings(settings)
         entries = sorted(cache.ls(), key=lambda e: e.last_used)
@@ -73,6 +78,7 @@ def make_cache_app(resolve: VersionResolver | None = None) -> typer.Typer:
         sha256: Annotated[str | None, typer.Option(help="Expected sha256 (with --uri).")] = None,
     ) -> None:
         """Fetch a version's files into the cache now, so a later start is a hit."""
+        from ember.config import get_settings
         from ember.engine.spec import VersionSpec
         from ember.loader.load import WeightLoader
 
@@ -105,6 +111,9 @@ def make_cache_app(resolve: VersionResolver | None = None) -> typer.Typer:
     @app.command("evict")
     def evict(ref: Annotated[str, typer.Argument(metavar="MODEL:VERSION")]) -> None:
         """Remove a version's entries (refused while a live replica pins one)."""
+        from ember.config import get_settings
+        from ember.loader.cache import WeightCache
+
         model, version = _split(ref)
         try:
             gone = WeightCache.from_settings(get_settings()).evict(model, version)
@@ -116,4 +125,15 @@ def make_cache_app(resolve: VersionResolver | None = None) -> typer.Typer:
     return app
 
 
-cache_app = make_cache_app()
+def resolve_version(
+    settings: Settings, model: str, version: str
+) -> tuple[str, str, list[dict[str, Any]] | None]:
+    """``ember cache warm``: a version's artifact, digest and manifest, from the registry
+    API (so a key sees only its own tenant's models)."""
+    row = client().get(f"/v1/models/{model}/versions/{version}")
+    if row["status"] != "ready" or not row["sha256"]:
+        raise Conflict(f"{model}:{version} is {row['status']}, not ready to cache")
+    return str(row["artifact_uri"]), str(row["sha256"]), row.get("files")
+
+
+app = make_cache_app(resolve_version)

@@ -1,4 +1,5 @@
-"""``ember engine``: run one replica (the pools controller starts these)."""
+"""``ember engine`` (run one replica; the pools controller starts these) and ``ember
+calibrate`` (fit a version's cost model)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ember.cli import app, err, friendly_errors, load_settings
-from ember.config import Settings
+from ember.cli.common import commands, err, friendly_errors, load_settings
 
 if TYPE_CHECKING:
+    from ember.config import Settings
     from ember.engine.threads import CpuBudget
+
+app = commands()
 
 
 def _spec_from_registry(model: str, version: str, tenant: str) -> dict[str, object]:

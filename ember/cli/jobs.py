@@ -1,4 +1,4 @@
-"""``ember jobs`` (submit, get, list, cancel, wait, result, secret) and ``ember worker``."""
+"""``ember jobs``: submit, get, list, cancel, wait, result, secret."""
 
 from __future__ import annotations
 
@@ -8,20 +8,17 @@ import re
 import time
 import uuid
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from ember.cli import JsonOpt, app, client, emit, err, friendly_errors, load_settings, out
-from ember.client import EmberClient
+from ember.cli.common import JsonOpt, client, emit, err, friendly_errors, group, load_settings, out
 from ember.errors import InvalidInput
 
-jobs_app = typer.Typer(
-    help="Async jobs: submit work, come back for the result.",
-    no_args_is_help=True,
-    rich_markup_mode="markdown",
-)
+if TYPE_CHECKING:
+    from ember.client import EmberClient
+
+app = group("Async jobs: submit work, come back for the result.")
 JOB_COLUMNS = [
     "id",
     "model",
@@ -36,42 +33,6 @@ FINISHED = ("succeeded", "failed", "cancelled")
 INLINE_INPUT_MAX = 1024 * 1024
 """``--input`` files up to this size are sent in the request; larger ones are uploaded to
 the object store (``job-inputs/<tenant>/``) and passed as ``input_uri``."""
-
-
-app.add_typer(jobs_app, name="jobs")
-
-
-@app.command()
-def worker(
-    concurrency: Annotated[
-        int | None, typer.Option(help="Jobs at once (default EMBER_JOBS_WORKER_CONCURRENCY).")
-    ] = None,
-    parent_pid: Annotated[
-        int | None,
-        typer.Option(help="Stop once this process is no longer the parent (`ember up`)."),
-    ] = None,
-    ping: Annotated[
-        bool,
-        typer.Option(
-            "--ping",
-            help="Do not run one: exit 0 if a worker of this host showed it was alive in "
-            "the last minute, else 1 (a container's liveness probe).",
-        ),
-    ] = False,
-) -> None:
-    """Run a job worker (Celery on the Redis at EMBER_REDIS_URL). It calls the gateway at
-    EMBER_JOBS_API_URL with the admin key EMBER_JOBS_API_KEY, acting for each job's tenant."""
-    if ping:  # no settings, no database, no broker: only the worker's liveness file
-        from ember.jobs.worker import worker_alive
-
-        alive = worker_alive()
-        err.print("a worker of this host is alive" if alive else "no live worker on this host")
-        raise typer.Exit(0 if alive else 1)
-    from ember.jobs.worker import run_worker
-
-    settings = load_settings()
-    with friendly_errors():
-        run_worker(settings, concurrency, parent_pid)
 
 
 def _instances_option(value: str) -> list[Any]:
@@ -98,7 +59,7 @@ def _upload_input(api: EmberClient, path: Path) -> str:
     return uri
 
 
-@jobs_app.command("submit")
+@app.command("submit")
 def jobs_submit(
     model: Annotated[str, typer.Argument(help="NAME, NAME:VERSION or NAME:ALIAS.")],
     instances: Annotated[
@@ -144,14 +105,14 @@ def jobs_submit(
         _wait(api, job["id"], timeout, 0.5)
 
 
-@jobs_app.command("get")
+@app.command("get")
 def jobs_get(job_id: str) -> None:
     """Show a job: status, attempts, version, result (inline) or its URI and digest."""
     with friendly_errors():
         emit(client().get(f"/v1/jobs/{job_id}"))
 
 
-@jobs_app.command("list")
+@app.command("list")
 def jobs_list(
     status: Annotated[
         str | None, typer.Option(help="queued | running | succeeded | failed | cancelled")
@@ -173,7 +134,7 @@ def jobs_list(
         emit(items, JOB_COLUMNS, as_json)
 
 
-@jobs_app.command("cancel")
+@app.command("cancel")
 def jobs_cancel(job_id: str) -> None:
     """Cancel a queued or running job."""
     with friendly_errors():
@@ -181,7 +142,7 @@ def jobs_cancel(job_id: str) -> None:
         out.print(f"cancelled {job['id']} (was running: {job['started_at'] is not None})")
 
 
-@jobs_app.command("wait")
+@app.command("wait")
 def jobs_wait(
     job_id: str,
     timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 3600.0,
@@ -211,6 +172,8 @@ def _describe(job: dict[str, Any]) -> str:
 def _wait(api: EmberClient, job_id: str, timeout: float, interval: float) -> None:
     deadline = time.monotonic() + timeout
     job = api.get(f"/v1/jobs/{job_id}")
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, console=err, transient=True) as progress:
         task = progress.add_task(_describe(job), total=None)
@@ -227,7 +190,7 @@ def _wait(api: EmberClient, job_id: str, timeout: float, interval: float) -> Non
         raise typer.Exit(1)
 
 
-@jobs_app.command("result")
+@app.command("result")
 def jobs_result(
     job_id: str,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Write it here.")] = None,
@@ -247,7 +210,7 @@ def jobs_result(
             err.print(f"wrote {len(response.content)} bytes to {output} (sha256 {digest})")
 
 
-@jobs_app.command("secret")
+@app.command("secret")
 def jobs_secret(
     rotate: Annotated[bool, typer.Option(help="Replace it with a new one.")] = False,
 ) -> None:

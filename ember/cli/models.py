@@ -1,4 +1,5 @@
-"""``ember models`` and ``ember deployments``: thin commands over the HTTP API."""
+"""``ember models``: models and versions, and pushing artifacts (thin commands over the
+HTTP API; a push writes to the object store itself, then registers)."""
 
 from __future__ import annotations
 
@@ -6,21 +7,12 @@ import contextlib
 import json
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.filesize import decimal
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
 
-from ember.cli import JsonOpt, client, emit, err, friendly_errors, load_settings, out
-from ember.config import Settings
+from ember.cli.common import JsonOpt, client, emit, err, friendly_errors, group, load_settings, out
 from ember.errors import (
     Conflict,
     EmberError,
@@ -30,27 +22,13 @@ from ember.errors import (
     PayloadTooLarge,
     Unauthenticated,
 )
-from ember.loader import hf_import
-from ember.loader.manifest import Manifest
-from ember.loader.upload import (
-    LocalFile,
-    Push,
-    check_header,
-    check_local,
-    digest_files,
-    list_directory,
-    local_file,
-    object_uri,
-    user_cache_dir,
-)
-from ember.logs import model_context
 
-models_app = typer.Typer(
-    help="Models and versions.", no_args_is_help=True, rich_markup_mode="markdown"
-)
-deployments_app = typer.Typer(
-    help="Deployments: routing and pool policy.", no_args_is_help=True, rich_markup_mode="markdown"
-)
+if TYPE_CHECKING:
+    from ember.config import Settings
+    from ember.loader.upload import LocalFile, Push
+
+app = group("Models and versions.")
+
 VERSION_COLUMNS = ["version", "engine", "status", "size_bytes", "tensor_count", "sha256"]
 
 
@@ -66,14 +44,14 @@ def _json_option(value: str | None, what: str) -> dict[str, Any] | None:
     return parsed
 
 
-@models_app.command("create")
+@app.command("create")
 def models_create(name: str, description: str = "", as_json: JsonOpt = False) -> None:
     """Create a model."""
     with friendly_errors():
         emit(client().post("/v1/models", {"name": name, "description": description}), as_json=True)
 
 
-@models_app.command("ls")
+@app.command("ls")
 def models_ls(as_json: JsonOpt = False) -> None:
     """List models."""
     with friendly_errors():
@@ -81,14 +59,14 @@ def models_ls(as_json: JsonOpt = False) -> None:
         emit(client().paginate("/v1/models"), cols, as_json)
 
 
-@models_app.command("get")
+@app.command("get")
 def models_get(name: str) -> None:
     """Show a model."""
     with friendly_errors():
         emit(client().get(f"/v1/models/{name}"))
 
 
-@models_app.command("rm")
+@app.command("rm")
 def models_rm(name: str) -> None:
     """Delete a model and its versions (refused while a deployment serves it)."""
     with friendly_errors():
@@ -96,14 +74,14 @@ def models_rm(name: str) -> None:
         out.print(f"deleted model {name}")
 
 
-@models_app.command("versions")
+@app.command("versions")
 def models_versions(name: str, as_json: JsonOpt = False) -> None:
     """List a model's versions."""
     with friendly_errors():
         emit(client().paginate(f"/v1/models/{name}/versions"), VERSION_COLUMNS, as_json)
 
 
-@models_app.command("register")
+@app.command("register")
 def models_register(
     name: str,
     version: Annotated[str, typer.Option("--version", "-v")],
@@ -143,7 +121,7 @@ DryRunOpt = Annotated[
 ]
 
 
-@models_app.command("push")
+@app.command("push")
 def models_push(
     path: Annotated[
         Path,
@@ -177,6 +155,8 @@ def models_push(
     process) resumes when run again with the same arguments: files already in the store
     are skipped, and the parts of an unfinished upload are kept (state in
     `~/.cache/ember/uploads/`)."""
+    from ember.loader.upload import check_header, check_local, list_directory, local_file
+
     settings = load_settings()
     with friendly_errors():
         if path.is_dir():
@@ -190,7 +170,7 @@ def models_push(
               delete_on_refusal=delete_on_refusal, dry_run=dry_run)  # fmt: skip
 
 
-@models_app.command("import-hf")
+@app.command("import-hf")
 def models_import_hf(
     source: Annotated[
         str,
@@ -230,6 +210,9 @@ def models_import_hf(
     pickles (`.bin`, `.pt`, `.pth`: unpickling runs arbitrary code; a model whose only
     weights are pickles is refused), Python files, shards the index does not list (e.g.
     `consolidated.safetensors`), other formats."""
+    from ember.loader import hf_import
+    from ember.loader.upload import check_local
+
     settings = load_settings()
     with friendly_errors():
         found = hf_import.locate(source, revision)
@@ -294,7 +277,10 @@ def _push(
     dry_run: bool,
 ) -> None:
     """Hash, upload (``ember.loader.upload``) and register ``files`` as ``name``."""
+    from ember.loader.manifest import Manifest
     from ember.loader.stores import join_uri, open_store
+    from ember.loader.upload import Push, object_uri, user_cache_dir
+    from ember.logs import model_context
 
     version = body["version"]
     if dry_run:
@@ -341,6 +327,17 @@ def _push(
 def _upload(push: Push, files: list[LocalFile], prefix: str, what: str) -> list[LocalFile]:
     """Hash and upload with a progress bar over all bytes; on an interruption or a
     failure, say what reached the store and how to resume."""
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    from ember.loader.upload import digest_files, user_cache_dir
+
     total = sum(f.size for f in files)
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
                TransferSpeedColumn(), TimeRemainingColumn())  # fmt: skip
@@ -421,134 +418,3 @@ def _wait_validated(api: Any, name: str, version: str) -> Any:
 def _ensure_model(api: Any, name: str) -> None:
     with contextlib.suppress(Conflict):  # already there: fine
         api.post("/v1/models", {"name": name})
-
-
-# --- deployments ------------------------------------------------------------------------
-
-POLICY_OPTIONS = ("min_hot", "max_replicas", "target_utilization", "max_batch_size",
-                  "max_queue_delay_ms", "timeout_ms", "priority")  # fmt: skip
-
-
-def _policy(pairs: list[str]) -> dict[str, Any]:
-    policy: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or key not in (*POLICY_OPTIONS, "scale_to_zero"):
-            raise InvalidInput(f"--set takes KEY=VALUE with KEY in {', '.join(POLICY_OPTIONS)}")
-        policy[key] = json.loads(value) if value not in ("", None) else value
-    return policy
-
-
-SetOpt = Annotated[
-    list[str] | None, typer.Option("--set", help="Pool policy KEY=VALUE (repeatable).")
-]
-
-
-@deployments_app.command("create")
-def deployments_create(
-    model: str,
-    version: Annotated[str, typer.Option("--version", "-v", help="The production version.")],
-    name: Annotated[str | None, typer.Option(help="Default: the model's name.")] = None,
-    fallback: Annotated[list[str] | None, typer.Option(help="Fallback version.")] = None,
-    set_: SetOpt = None,
-) -> None:
-    """Deploy MODEL at VERSION."""
-    with friendly_errors():
-        body = {"model": model, "version": version, "name": name, "fallback": fallback or [],
-                **_policy(set_ or [])}  # fmt: skip
-        emit(client().post("/v1/deployments", body))
-
-
-@deployments_app.command("ls")
-def deployments_ls(as_json: JsonOpt = False) -> None:
-    """List deployments."""
-    with friendly_errors():
-        cols = ["name", "model", "traffic", "aliases", "min_hot", "max_replicas", "revision"]
-        emit(client().paginate("/v1/deployments"), cols, as_json)
-
-
-@deployments_app.command("get")
-def deployments_get(name: str) -> None:
-    """Show a deployment."""
-    with friendly_errors():
-        emit(client().get(f"/v1/deployments/{name}"))
-
-
-@deployments_app.command("update")
-def deployments_update(name: str, set_: SetOpt = None) -> None:
-    """Change pool policy, e.g. `--set min_hot=2`."""
-    with friendly_errors():
-        emit(client().patch(f"/v1/deployments/{name}", _policy(set_ or [])))
-
-
-@deployments_app.command("canary")
-def deployments_canary(
-    name: str,
-    version: Annotated[str, typer.Option("--version", "-v")],
-    weight: Annotated[int, typer.Option(help="Percent of traffic.")] = 10,
-) -> None:
-    """Send WEIGHT % of traffic to VERSION."""
-    with friendly_errors():
-        emit(
-            client().post(f"/v1/deployments/{name}:canary", {"version": version, "weight": weight})
-        )
-
-
-@deployments_app.command("promote")
-def deployments_promote(
-    name: str, version: Annotated[str | None, typer.Option("--version", "-v")] = None
-) -> None:
-    """Make the canary (or VERSION) production at 100 %."""
-    with friendly_errors():
-        emit(client().post(f"/v1/deployments/{name}:promote", {"version": version}))
-
-
-@deployments_app.command("rollback")
-def deployments_rollback(name: str) -> None:
-    """Drop the canary, or go back to the previous production version."""
-    with friendly_errors():
-        emit(client().post(f"/v1/deployments/{name}:rollback"))
-
-
-@deployments_app.command("rm")
-def deployments_rm(name: str) -> None:
-    """Delete a deployment."""
-    with friendly_errors():
-        client().delete(f"/v1/deployments/{name}")
-        out.print(f"deleted deployment {name}")
-
-
-@deployments_app.command("autoscaler")
-def deployments_autoscaler(name: str, as_json: JsonOpt = False) -> None:
-    """What the autoscaler forecasts at each tier's horizon, wants per tier and why."""
-    with friendly_errors():
-        view: dict[str, Any] = client().get(f"/v1/deployments/{name}/autoscaler")
-        if as_json:
-            emit(view)
-            return
-        out.print(autoscaler_text(view))
-
-
-def autoscaler_text(view: dict[str, Any]) -> str:
-    """``GET /v1/deployments/{name}/autoscaler`` in a few lines."""
-    promo = view.get("promotion_s") or {}
-    lines = [
-        f"deployment {view.get('deployment')}, production version {view.get('version')}"
-        + ("" if view.get("acting", True) else " (this API process follows the leader)"),
-        "promotion to hot (learned p95): "
-        + ", ".join(f"{t} {promo.get(t)} s" for t in ("warm", "standby", "cold")),
-    ]
-    for s in view.get("forecast") or []:
-        lines.append(
-            f"  {s['tier']:8} covers {s['units_per_s']:.3g} u/s at +{s['horizon_s']:.3g} s "
-            f"(from {s['from']}) -> {s['replicas']}"
-        )
-    desired = view.get("desired")
-    if desired:
-        lines.append(
-            f"desired: hot {desired['hot']}, warm {desired['warm']}, standby {desired['standby']}"
-        )
-        lines += [f"  - {r}" for r in view.get("reasons") or []]
-    else:
-        lines.append("no decision yet (the autoscaler starts with the first tick)")
-    return "\n".join(lines)

@@ -1,30 +1,18 @@
-"""``ember batch`` (schedule, schedules, pause, resume, unschedule, run, status, runs)
-and ``ember beat``."""
+"""``ember batch``: schedule, schedules, pause, resume, unschedule, run, status, runs."""
 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    SpinnerColumn,
-    TextColumn,
-    TimeElapsedColumn,
-)
 
-from ember.cli import JsonOpt, app, client, emit, err, friendly_errors, load_settings
-from ember.client import EmberClient
+from ember.cli.common import JsonOpt, client, emit, err, friendly_errors, group
 
-batch_app = typer.Typer(
-    help="Batch scoring: cron schedules that score whole datasets.",
-    no_args_is_help=True,
-    rich_markup_mode="markdown",
-)
-app.add_typer(batch_app, name="batch")
+if TYPE_CHECKING:
+    from ember.client import EmberClient
+
+app = group("Batch scoring: cron schedules that score whole datasets.")
 FINISHED = ("succeeded", "failed")
 SCHEDULE_COLUMNS = ["name", "cron", "timezone", "paused", "next_fire_at", "last_fired_at"]
 RUN_COLUMNS = ["id", "schedule", "status", "model", "version", "done", "rows", "created_at"]
@@ -69,7 +57,7 @@ def _spec(
     }
 
 
-@batch_app.command("schedule")
+@app.command("schedule")
 def batch_schedule(
     name: Annotated[str, typer.Argument(help="The schedule's name.")],
     cron: Annotated[str, typer.Option(help="5-field cron, e.g. '0 2 * * *'.")],
@@ -104,28 +92,28 @@ def batch_schedule(
         emit(client().post("/v1/batch/schedules", body), SCHEDULE_COLUMNS, as_json)
 
 
-@batch_app.command("schedules")
+@app.command("schedules")
 def batch_schedules(as_json: JsonOpt = False) -> None:
     """List schedules."""
     with friendly_errors():
         emit(client().paginate("/v1/batch/schedules"), SCHEDULE_COLUMNS, as_json)
 
 
-@batch_app.command("pause")
+@app.command("pause")
 def batch_pause(name: str, as_json: JsonOpt = False) -> None:
     """Pause a schedule (it does not fire until resumed)."""
     with friendly_errors():
         emit(client().post(f"/v1/batch/schedules/{name}/pause"), SCHEDULE_COLUMNS, as_json)
 
 
-@batch_app.command("resume")
+@app.command("resume")
 def batch_resume(name: str, as_json: JsonOpt = False) -> None:
     """Resume a schedule (from its next fire time after now)."""
     with friendly_errors():
         emit(client().post(f"/v1/batch/schedules/{name}/resume"), SCHEDULE_COLUMNS, as_json)
 
 
-@batch_app.command("unschedule")
+@app.command("unschedule")
 def batch_unschedule(name: str) -> None:
     """Delete a schedule (its runs are kept)."""
     with friendly_errors():
@@ -133,7 +121,7 @@ def batch_unschedule(name: str) -> None:
         err.print(f"deleted schedule {name}")
 
 
-@batch_app.command("run")
+@app.command("run")
 def batch_run(
     schedule: Annotated[
         str | None, typer.Option(help="Run this schedule now (instead of a spec).")
@@ -182,7 +170,7 @@ def batch_run(
         _wait(api, run["id"], timeout, 0.5)
 
 
-@batch_app.command("status")
+@app.command("status")
 def batch_status(
     run_id: str,
     wait: Annotated[bool, typer.Option(help="Show a progress bar until it ends.")] = False,
@@ -197,7 +185,7 @@ def batch_status(
             emit(client().get(f"/v1/batch/runs/{run_id}"), as_json=True)
 
 
-@batch_app.command("runs")
+@app.command("runs")
 def batch_runs(
     schedule: Annotated[str | None, typer.Option(help="Only this schedule's runs.")] = None,
     as_json: JsonOpt = False,
@@ -237,6 +225,15 @@ def _describe(run: dict[str, Any]) -> str:
 
 def _wait(api: EmberClient, run_id: str, timeout: float, interval: float) -> None:
     deadline = time.monotonic() + timeout
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
     run = api.get(f"/v1/batch/runs/{run_id}")
     columns = (
         SpinnerColumn(),
@@ -261,20 +258,3 @@ def _wait(api: EmberClient, run_id: str, timeout: float, interval: float) -> Non
     if run["status"] != "succeeded":
         err.print(f"[red]{run_id} failed:[/red] {run.get('error')}")
         raise typer.Exit(1)
-
-
-@app.command()
-def beat(
-    parent_pid: Annotated[
-        int | None,
-        typer.Option(help="Stop once this process is no longer the parent (`ember up`)."),
-    ] = None,
-) -> None:
-    """Run the batch scheduler: fires due schedules from the registry (changes apply
-    without a restart). Run any number: one leads (a Redis lock), and a fire time never
-    starts two runs."""
-    from ember.batch.beat import run_beat
-
-    settings = load_settings()
-    with friendly_errors():
-        run_beat(settings, parent_pid)
