@@ -379,7 +379,7 @@ class Forecaster:
             profiles = tuple(
                 (math.nan,) * round(p / cfg.profile_bin_s) for p in cfg.profile_periods_s
             )
-            activity = (math.nan,) * round(_DAY_S / cfg.profile_bin_s)
+            activity = (math.nan,) * round(_day_s(cfg) / cfg.profile_bin_s)
             return start, units, profiles, activity
         if now < self.bin_start_s + cfg.profile_bin_s:
             return self.bin_start_s, self.bin_units + units, self.profiles, self.activity
@@ -441,6 +441,12 @@ class Forecaster:
             if not math.isnan(v) and v > best:
                 best = v
         return best
+
+
+def _day_s(cfg: EmberConfig) -> float:
+    """The day the activity profile covers: the first profile period (a compressed day in
+    tests and demos), else 24 h."""
+    return cfg.profile_periods_s[0] if cfg.profile_periods_s else _DAY_S
 
 
 @functools.lru_cache(maxsize=16)
@@ -930,7 +936,7 @@ def state_from_dict(data: dict[str, Any], cfg: EmberConfig) -> EmberState | None
             lengths = tuple(len(p) for p in profiles)
             if lengths != tuple(round(p / cfg.profile_bin_s) for p in cfg.profile_periods_s):
                 return None
-            if len(activity) != round(_DAY_S / cfg.profile_bin_s):
+            if len(activity) != round(_day_s(cfg) / cfg.profile_bin_s):
                 return None
         fc = Forecaster(
             level=float(f["level"]), trend=float(f["trend"]), short=float(f["short"]),

@@ -55,6 +55,15 @@ from ember.pools.backends.base import (
 )
 from ember.pools.demand import ForecastStore, SharedDemand
 from ember.pools.metrics import PoolMetrics
+from ember.pools.plan import (
+    Actions,
+    Inventory,
+    Target,
+    all_ready,
+    hot_target,
+    plan,
+    standby_pool_size,
+)
 from ember.pools.router import Route
 from ember.pools.warmtier import SharedWarmTier
 from ember.registry import catalog
@@ -71,6 +80,7 @@ from ember.registry.tables import (
 
 if TYPE_CHECKING:
     from ember.config import Settings
+    from ember.pools.history import History
     from ember.pools.leader import LeaseElection
 
 log = get_logger(__name__)
@@ -224,6 +234,7 @@ class PoolsController:
         # Seconds to serving, per tier promoted from (the last 50 of each): the autoscaler's
         # lead is their p95 (PromotionTimes' measured defaults until a tier has samples).
         self.promotion_s: dict[str, list[float]] = {"warm": [], "standby": [], "cold": []}
+        self._promotion_restored = False
         self.fill_warm = fill_warm
         """Start replicas into the warm tier when the autoscaler wants more warm ones than
         demoting hot ones gives. Off by default: on the local (CPU) backend a warm replica
@@ -256,6 +267,8 @@ class PoolsController:
         # The shared warm tier (local backend, EMBER_WARM_SET_BYTES): versions with no ready
         # replica held in host RAM, so a standby process loads them from the page cache.
         self.warm_tier: SharedWarmTier | None = None
+        # What the dashboard plots (ember.pools.history): sampled by the acting controller.
+        self.history: History | None = None
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -305,13 +318,13 @@ class PoolsController:
         await self._restore_states()
         self._autoscale()
         await self._save_states()
-        self._scale()
-        await self._retire()
-        self._fill_warm()
+        self._carry_out()
         self._keep_standby()
         if self.warm_tier is not None:
             self.warm_tier.tick(self)
         self.metrics.observe(self)
+        if self.history is not None:
+            await self.history.tick(self)
 
     def refresh(self) -> None:
         """Re-read the registry now (blocking: call it from a thread), e.g. right after an
@@ -520,7 +533,7 @@ class PoolsController:
                 continue
             status = self.backend.exited(replica.handle)
             if status is not None:
-                self.metrics.replaced.labels(self.metrics.tenant(replica.key[0]), "exited").inc()
+                self.metrics.replaced.labels(*self.metrics.of_replica(replica), "exited").inc()
                 reason = self.backend.exit_reason(replica.handle)
                 self._fail(replica, reason or f"process exited with status {status}")
 
@@ -573,14 +586,11 @@ class PoolsController:
                 )  # fmt: skip
             if replica.key[1] and not replica.adopted:
                 took = replica.ready_at - replica.started_at
-                self.metrics.cold_start.labels(
-                    tenant=self.metrics.tenant(replica.key[0]),
-                    model=replica.model,
-                    version=replica.version,
-                ).observe(took)
+                self.metrics.cold_start.labels(*self.metrics.of_replica(replica)).observe(took)
                 self._promoted(replica.source, took)
                 self.failures.pop((replica.key, replica.version), None)
-            self._event("ready", replica, startup_s=round(replica.ready_at - replica.started_at, 3))
+            self._event("ready", replica, startup_s=round(replica.ready_at - replica.started_at, 3),
+                        load=(info.get("load_report") or {}).get("stages"))  # fmt: skip
 
     async def _probe_idle(self) -> None:
         now = time.monotonic()
@@ -603,9 +613,9 @@ class PoolsController:
         replica.probe_failures += 1
         if replica.probe_failures >= self.probe_settings.failures:
             detected = time.monotonic() - replica.last_ok
-            tenant = self.metrics.tenant(replica.key[0])
-            self.metrics.detect_seconds.labels(tenant).observe(detected)
-            self.metrics.replaced.labels(tenant, "probe").inc()
+            labels = self.metrics.of_replica(replica)
+            self.metrics.detect_seconds.labels(*labels).observe(detected)
+            self.metrics.replaced.labels(*labels, "probe").inc()
             self._fail(replica, f"failed {replica.probe_failures} health probes")
             self._event("killed", replica, detected_after_s=round(detected, 3))
 
@@ -618,34 +628,119 @@ class PoolsController:
     # --- scaling ------------------------------------------------------------------------
 
     def desired(self, view: DeploymentView) -> dict[str, int]:
-        """Hot replicas per version: the autoscaler's for production (never below the
-        floor), a proportional share for a canary. The floor is ``min_hot`` and at least
-        one, except for a deployment that opted out (``scale_to_zero``): it may hold no hot
-        replica (the autoscaler keeps it warm for a while, then not at all) until a
-        request wakes it."""
+        """Hot replicas per version (:func:`~ember.pools.plan.hot_target`): the
+        autoscaler's for production, a proportional share of the floor for a canary; one
+        each for the ladder's fallback rung and versions pinned by running batch runs."""
         policy = view.policy
-        floor = policy.hot_floor
         key = (view.tenant_id, view.name)
-        production = view.production
         now = time.monotonic()
         out: dict[str, int] = {}
         for version, weight in view.traffic.items():
             if weight <= 0 or version not in view.specs:
                 continue
             target = self.targets.get((key, version))
-            if version == production and target is not None:
-                out[version] = max(floor, target.hot)
-            else:
-                out[version] = max(1 if floor else 0, math.ceil(floor * weight / 100))
-            if now < self.woken.get((key, version), -math.inf):
-                out[version] = max(out[version], 1)
-            out[version] = min(policy.max_replicas, out[version])
-        # The ladder's fallback rung and versions pinned by running batch runs: one hot
-        # replica each, ready.
+            out[version] = hot_target(
+                target.hot if target is not None else None,
+                floor=policy.hot_floor,
+                weight=weight,
+                production=version == view.production,
+                woken=now < self.woken.get((key, version), -math.inf),
+                max_replicas=policy.max_replicas,
+            )
         for version in [*view.fallback, *view.pinned]:
             if version in view.specs and version not in out:
                 out[version] = 1
         return out
+
+    def inventory(self, key: tuple[int, str], version: str) -> Inventory:
+        """The version's replicas by state, as :func:`~ember.pools.plan.plan` counts them."""
+        mine = [r for r in self.replicas.values() if r.key == key and r.version == version]
+        return Inventory(
+            hot=sum(1 for r in mine if r.state == "ready" and r.tier == "hot"),
+            warm=sum(1 for r in mine if r.state == "ready" and r.tier == "warm"),
+            starting_hot=sum(
+                1
+                for r in mine
+                if r.state == "promoting" or (r.state == "starting" and r.then_tier is None)
+            ),
+            starting_warm=sum(1 for r in mine if r.state == "starting" and r.then_tier == "warm"),
+            demoting=sum(1 for r in mine if r.state == "demoting"),
+        )
+
+    def plans(self, key: tuple[int, str]) -> dict[str, tuple[Inventory, Target, Actions]]:
+        """What to do for each version of a deployment (or of one deleted: stop it all)."""
+        view = self.deployments.get(key)
+        wanted = self.desired(view) if view is not None else {}
+        versions = set(wanted) | {r.version for r in self.replicas.values() if r.key == key}
+        ready = {v: self.inventory(key, v).hot for v in wanted}
+        may_retire = all_ready(wanted, ready)
+        out: dict[str, tuple[Inventory, Target, Actions]] = {}
+        for version in sorted(versions):
+            if version in wanted:
+                tiers = self.targets.get((key, version))
+                production = view is not None and version == view.production
+                warm = tiers.warm if tiers is not None and production else 0
+                target = Target(wanted[version], warm)
+            else:
+                target = Target(0, serving=False)
+            inv = self.inventory(key, version)
+            actions = plan(
+                inv,
+                target,
+                fill_warm=self.fill_warm,
+                may_retire=may_retire,
+                crash_looping=self.failures.get((key, version), 0) >= self.max_restarts,
+            )
+            out[version] = (inv, target, actions)
+        return out
+
+    def _carry_out(self) -> None:
+        """Every deployment's plan, carried out: which replicas move is chosen here (the
+        least loaded, then the newest, steps down first)."""
+        keys = set(self.deployments) | {r.key for r in self.replicas.values() if r.key[1]}
+        for key in sorted(keys):
+            for version, (_, _, actions) in self.plans(key).items():
+                if actions:
+                    self._act(key, version, actions)
+
+    def _act(self, key: tuple[int, str], version: str, actions: Actions) -> None:
+        mine = [r for r in self.replicas.values() if r.key == key and r.version == version]
+
+        def least_busy(rs: list[ManagedReplica]) -> list[ManagedReplica]:
+            return sorted(
+                rs, key=lambda r: (r.route.inflight_units if r.route else 0.0, -r.started_at)
+            )
+
+        hot = least_busy([r for r in mine if r.state == "ready" and r.tier == "hot"])
+        warm = least_busy([r for r in mine if r.state == "ready" and r.tier == "warm"])
+        loading = [r for r in mine if r.state == "starting" and r.then_tier == "warm"]
+        for replica in warm[: actions.promote]:
+            self._change_tier(replica, "hot")
+        for replica in loading[: actions.keep_hot]:
+            replica.then_tier = None
+        view = self.deployments.get(key)
+        if view is not None and version in view.specs:
+            for _ in range(actions.start_hot):
+                self._start(view, version)
+            for _ in range(actions.start_warm):
+                self._start(view, version, then_tier="warm")
+        for replica in hot[: actions.demote]:
+            self._change_tier(replica, "warm")
+        stops = hot[actions.demote : actions.demote + actions.stop_hot]
+        stops += warm[actions.promote : actions.promote + actions.stop_warm]
+        # Warm spares still loading first, the newest (the last to be ready) first.
+        on_the_way = sorted(
+            (r for r in mine if r.state in ("starting", "promoting", "demoting")),
+            key=lambda r: (r.then_tier != "warm" or r.state != "starting", -r.started_at),
+        )
+        stops += on_the_way[: actions.stop_starting]
+        for replica in stops:
+            self._stop(replica)
+
+    def _stop(self, replica: ManagedReplica) -> None:
+        replica.state = "draining"
+        self._event("draining", replica)
+        self._spawn(self._drain(replica))
 
     # --- autoscaling --------------------------------------------------------------------
 
@@ -747,6 +842,14 @@ class PoolsController:
         store = self.forecast_store
         if store is None:
             return
+        if not self._promotion_restored:
+            self._promotion_restored = True
+            try:
+                stored = await asyncio.to_thread(store.load_promotion)
+            except Exception:  # Redis away: the defaults until measured here
+                stored = {}
+            for tier, xs in stored.items():  # what was learned before, then what is now
+                self.promotion_s[tier] = [*xs, *self.promotion_s[tier]][-50:]
         for key, view in self.deployments.items():
             version = view.production
             if version is None or (key, version) in self.scalers:
@@ -766,16 +869,33 @@ class PoolsController:
 
     async def _save_states(self, *, force: bool = False) -> None:
         store = self.forecast_store
-        if store is None or not self.scalers:
+        if store is None or not (self.scalers or self.deployments):
             return
         if not force and time.monotonic() - self._state_saved < self.state_every_s:
             return
         self._state_saved = time.monotonic()
+        # A version the registry no longer has (its deployment deleted, or it removed from
+        # the deployment) takes what it learned with it: a deployment created again under
+        # the same name starts afresh.
+        live = {(key, v) for key, view in self.deployments.items() for v in view.specs}
+        for gone in [k for k in self.scalers if k not in live]:
+            del self.scalers[gone]
+            self.targets.pop(gone, None)
         states = {k: state_to_dict(s.state) for k, s in self.scalers.items()}
+
+        promotion = {tier: list(xs) for tier, xs in self.promotion_s.items()}
+
+        def save() -> int:
+            store.save(states, promotion)
+            return store.keep_only(live)
+
         try:
-            await asyncio.to_thread(store.save, states)
+            removed = await asyncio.to_thread(save)
         except Exception:  # Redis away: saved at the next try
             log.warning("could not save the autoscaler state")
+            return
+        if removed:
+            log.info("autoscaler state of removed versions forgotten", versions=removed)
 
     def observation(
         self, key: tuple[int, str], view: DeploymentView, version: str, dt: float
@@ -807,29 +927,6 @@ class PoolsController:
             promotion=self._promotion_times(),
         )
 
-    def _scale(self) -> None:
-        for key, view in self.deployments.items():
-            for version, want in self.desired(view).items():
-                mine = [r for r in self.replicas.values() if r.key == key and r.version == version]
-                have = [
-                    r
-                    for r in mine
-                    if r.state == "starting" or (r.state == "ready" and r.tier == "hot")
-                ]
-                have = [r for r in have if r.then_tier is None]
-                warm = [r for r in mine if r.state == "ready" and r.tier == "warm"]
-                # Warm spares still loading: on their way anyway, they stay hot instead.
-                warm += [r for r in mine if r.state == "starting" and r.then_tier == "warm"]
-                if self.failures.get((key, version), 0) >= self.max_restarts:
-                    continue  # crash-looping: leave it failed (visible in /replicas) until changed
-                for i in range(want - len(have)):
-                    if i >= len(warm):
-                        self._start(view, version)
-                    elif warm[i].state == "starting":
-                        warm[i].then_tier = None
-                    else:  # the fastest tier first: warm -> hot is one copy
-                        self._change_tier(warm[i], "hot")
-
     def _change_tier(self, replica: ManagedReplica, tier: str) -> None:
         replica.state = "promoting" if tier == "hot" else "demoting"
         self._spawn(self._set_tier(replica, tier))
@@ -856,33 +953,6 @@ class PoolsController:
         task = asyncio.get_running_loop().create_task(coro)
         self._assigning.add(task)
         task.add_done_callback(self._assigning.discard)
-
-    def _fill_warm(self) -> None:
-        """With ``fill_warm``: start replicas into the warm tier (loaded, then demoted) when
-        the autoscaler wants more warm ones for a production version than it has or will
-        have (ready warm, being demoted, warm spares starting, and hot replicas above the
-        hot target, which ``_retire`` demotes)."""
-        if not self.fill_warm:
-            return
-        for key, view in self.deployments.items():
-            version = view.production
-            target = self.targets.get((key, version)) if version is not None else None
-            if version is None or target is None or target.warm <= 0:
-                continue
-            if self.failures.get((key, version), 0) >= self.max_restarts:
-                continue
-            mine = [r for r in self.replicas.values() if r.key == key and r.version == version]
-            hot = sum(1 for r in mine if r.state == "ready" and r.tier == "hot")
-            coming = sum(
-                1
-                for r in mine
-                if (r.state == "ready" and r.tier == "warm")
-                or r.state == "demoting"
-                or (r.state == "starting" and r.then_tier == "warm")
-            )
-            surplus = max(0, hot - self.desired(view).get(version, 0))
-            for _ in range(target.warm - coming - surplus):
-                self._start(view, version, then_tier="warm")
 
     def _start(self, view: DeploymentView, version: str, *, then_tier: str | None = None) -> None:
         spec = view.specs[version]
@@ -944,9 +1014,25 @@ class PoolsController:
                 url, json=spec, params=params, timeout=600, headers=replica.handle.auth
             )
 
+    def standby_wanted(self) -> int:
+        """The shared standby pool's size (:func:`~ember.pools.plan.standby_pool_size`):
+        what its asks sized it to, or the standby replicas the production versions'
+        autoscalers want together, within ``[standby_floor, standby_max]``; none when the
+        pool is turned off (a floor of 0)."""
+        if self.standby_floor == 0:
+            return 0
+        wanted = sum(
+            t.standby
+            for (key, version), t in self.targets.items()
+            if key in self.deployments and version == self.deployments[key].production
+        )
+        return standby_pool_size(
+            self.standby_pool, wanted, floor=self.standby_floor, maximum=self.standby_max
+        )
+
     def _keep_standby(self) -> None:
         spares = [r for r in self.replicas.values() if not r.key[1]]
-        missing = self.standby_pool - len(spares)
+        missing = self.standby_wanted() - len(spares)
         if missing <= 0:
             return
         options = LaunchOptions(reserve_bytes=self._standby_reserve())
@@ -967,68 +1053,6 @@ class PoolsController:
             if version in view.specs and self.backend.standby_can_run(view.specs[version])
         ]
         return max((n for n in sizes if n <= self.standby_reserve_max), default=0)
-
-    async def _retire(self) -> None:
-        """Stop replicas whose deployment or version no longer serves — but only once every
-        version that does serve has its replicas ready, so a rollout never leaves a gap."""
-        for replica in list(self.replicas.values()):
-            if not replica.key[1] or replica.state == "draining":
-                continue
-            if replica.state not in ("ready", "starting"):
-                continue
-            view = self.deployments.get(replica.key)
-            wanted = self.desired(view) if view is not None else {}
-            if replica.version in wanted and not self._surplus(replica, wanted[replica.version]):
-                continue
-            if view is not None and not self._all_ready(view):
-                continue
-            target = self.targets.get((replica.key, replica.version))
-            if replica.version in wanted and replica.tier == "hot" and target is not None:
-                warm = sum(
-                    1
-                    for r in self.replicas.values()
-                    if r.key == replica.key and r.version == replica.version and r.tier == "warm"
-                )
-                if warm < target.warm:  # scale to warm, not to nothing
-                    self._change_tier(replica, "warm")
-                    continue
-            replica.state = "draining"
-            self._event("draining", replica)
-            task = asyncio.get_running_loop().create_task(self._drain(replica))
-            self._assigning.add(task)
-            task.add_done_callback(self._assigning.discard)
-
-    def _surplus(self, replica: ManagedReplica, wanted: int) -> bool:
-        """Scale down one replica at a time: the least loaded (then newest) above ``wanted``."""
-        if replica.state != "ready":
-            return False
-        ready = [
-            r
-            for r in self.replicas.values()
-            if r.key == replica.key
-            and r.version == replica.version
-            and r.state == "ready"
-            and r.tier == replica.tier
-        ]
-        if replica.tier == "warm":
-            target = self.targets.get((replica.key, replica.version))
-            wanted = target.warm if target is not None else 0
-        if len(ready) <= wanted:
-            return False
-        return replica is min(
-            ready, key=lambda r: (r.route.inflight_units if r.route else 0.0, -r.started_at)
-        )
-
-    def _all_ready(self, view: DeploymentView) -> bool:
-        key = (view.tenant_id, view.name)
-        return all(
-            any(
-                r.key == key and r.version == v and r.state == "ready" and r.tier == "hot"
-                for r in self.replicas.values()
-            )
-            for v, want in self.desired(view).items()
-            if want > 0
-        )
 
     async def _drain(self, replica: ManagedReplica, wait_s: float = 30.0) -> None:
         deadline = time.monotonic() + wait_s
@@ -1154,9 +1178,29 @@ def autoscale_knobs(settings: Settings) -> dict[str, Any]:
         "forecast_quantile": settings.scale_forecast_quantile,
     }
     period = settings.scale_profile_period_s
-    if period != 86_400.0:  # a compressed day (tests, demos): the bins shrink alike
-        knobs |= {"profile_periods_s": (period, 7 * period), "profile_bin_s": period / 144}
+    if period != 86_400.0:  # a compressed day (tests, demos): the bins shrink alike ...
+        # (no finer than two ticks: a bin a tick does not fill is noise) ...
+        defaults = EmberConfig()
+        bin_s = max(period / 144, 2.0 * defaults.tick_s)
+        knobs |= {"profile_periods_s": (period, 7 * period), "profile_bin_s": bin_s}
+        # ... and so do the autoscaler's memories, to no less than five ticks: a day of a
+        # minute would otherwise remember a burst, or hold a step down, for longer than
+        # the day.
+        factor = period / 86_400.0
+        for name in COMPRESSED_WINDOWS:
+            seconds = knobs.get(name, getattr(defaults, name))
+            knobs[name] = min(seconds, max(5.0 * defaults.tick_s, seconds * factor))
     return knobs
+
+
+COMPRESSED_WINDOWS = (
+    "level_tau_s", "trend_tau_s", "burst_decay_s", "stabilization_s", "burst_hold_s",
+    "standby_keep_s", "surge_decay_s", "predict_horizon_s",
+)  # fmt: skip
+"""The ``EmberConfig`` memories a compressed day (``scale_profile_period_s``) shrinks: the
+demand's level and trend, how long a burst is remembered or a step down held. The short
+window the burst guard follows (``burst_tau_s``, 10 s) is about noise, not the day, and
+stays."""
 
 
 def _finite(x: float) -> float | None:

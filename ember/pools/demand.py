@@ -76,11 +76,38 @@ class ForecastStore:
         (tenant, deployment), version = key
         return _SEP.join((str(tenant), deployment, version))
 
-    def save(self, states: dict[DemandKey, dict[str, Any]]) -> None:
-        if states:
-            self.redis.hset(
-                self.key, mapping={self._field(k): json.dumps(v) for k, v in states.items()}
-            )
+    PROMOTION_FIELD = "promotion_s"
+    """The promotion times the controller learned (per tier, the last samples): a new
+    controller stages its tiers by them from its first tick, not by the defaults."""
+
+    def save(
+        self,
+        states: dict[DemandKey, dict[str, Any]],
+        promotion_s: dict[str, list[float]] | None = None,
+    ) -> None:
+        mapping: dict[Any, Any] = {self._field(k): json.dumps(v) for k, v in states.items()}
+        if promotion_s is not None and any(promotion_s.values()):
+            mapping[self.PROMOTION_FIELD] = json.dumps(promotion_s)
+        if mapping:
+            self.redis.hset(self.key, mapping=mapping)
+
+    def load_promotion(self) -> dict[str, list[float]]:
+        """The stored promotion samples per tier (finite, positive, at most 50 each);
+        empty when none or not readable."""
+        raw = cast(bytes | None, self.redis.hget(self.key, self.PROMOTION_FIELD))
+        try:
+            data = json.loads(raw) if raw is not None else {}
+        except ValueError:
+            return {}
+        if not isinstance(data, dict):
+            return {}
+        out: dict[str, list[float]] = {}
+        for tier in ("warm", "standby", "cold"):
+            xs = data.get(tier)
+            if isinstance(xs, list):
+                ok = [float(x) for x in xs[-50:] if isinstance(x, int | float)]
+                out[tier] = [x for x in ok if 0 < x < 86_400]
+        return out
 
     def load(self, key: DemandKey) -> dict[str, Any] | None:
         """The stored state, or ``None`` (none stored, or not readable JSON)."""
@@ -95,6 +122,16 @@ class ForecastStore:
 
     def forget(self, key: DemandKey) -> None:
         self.redis.hdel(self.key, self._field(key))
+
+    def keep_only(self, keys: set[DemandKey]) -> int:
+        """Remove the state of every version not in ``keys`` (a deployment deleted, a
+        version removed from it, while this controller ran or not); returns how many."""
+        keep = {self._field(k) for k in keys} | {self.PROMOTION_FIELD}
+        fields = cast(list[bytes], self.redis.hkeys(self.key))
+        gone = [f for f in fields if f.decode("utf-8", "replace") not in keep]
+        if gone:
+            self.redis.hdel(self.key, *gone)
+        return len(gone)
 
     def close(self) -> None:
         self.redis.close()

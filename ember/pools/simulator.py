@@ -18,9 +18,11 @@ The model (stated, because it is an approximation):
   with ``W`` the work ahead, mapped back through ``tau``. Exact for the pooled server.
 - Admission: arrivals in a tick are shed (429) when the predicted wait at the tick's start
   exceeds ``max_wait_s``. Every request ends served or shed, exactly once.
-- Tiers: a promotion comes from warm, then standby, then cold. Demotion is instant; a
-  start still in progress is cancelled before a ready replica is demoted. Replicas cost
-  ``hot`` while promoting.
+- Tiers: the policy's counts are carried out by the pools controller's own rules
+  (:mod:`ember.pools.plan`): a promotion comes from warm, then a warm spare still
+  loading, then standby, then cold; a ready hot replica over the target is demoted while
+  warm is short, else stopped; nothing on its way is cancelled (it is stepped down once
+  ready, as live). Demotion is instant. Replicas cost ``hot`` while promoting.
 - Catalogues (many models): :func:`simulate_catalogue` replays every model together, in
   time order, against one :class:`SharedStandby` pool of generic processes (no weights), as
   the pools controller keeps it. A model's standby floor is a claim on that pool, not a
@@ -52,6 +54,7 @@ from ember.pools.autoscaler import (
     TierCounts,
     size_standby_pool,
 )
+from ember.pools.plan import Actions, Inventory, Target, all_ready, hot_target, plan
 from ember.pools.traces import Trace
 
 FloatArray = npt.NDArray[np.float64]
@@ -120,6 +123,27 @@ class SimConfig:
     tick_s: float = 1.0
     max_wait_s: float = 30.0
     drain_limit_s: float = 3_600.0
+    fill_warm: bool = True
+    """Start warm spares (``EMBER_SCALE_FILL_WARM``); without, warm holds only demoted
+    replicas."""
+    hot_floor: int = 0
+    """The deployment's hot floor (``PoolPolicy.hot_floor``) and most replicas, as the
+    pools controller applies them around the policy's figure."""
+    max_replicas: int = 1_000_000
+    record_plans: bool = False
+    """Keep every step's observation, inventory and actions (:attr:`SimResult.plans`)."""
+
+
+@dataclass(frozen=True)
+class PlanStep:
+    """One autoscaler step of a replay: what it saw, wanted and did."""
+
+    at: float
+    observation: Observation
+    desired: TierCounts
+    inventory: Inventory
+    target: Target
+    actions: Actions
 
 
 @dataclass
@@ -141,6 +165,8 @@ class SimResult:
     duration_s: float = 0.0
     standby_takes_s: FloatArray = field(default_factory=lambda: np.zeros(0))
     """When a standby process was put to use (promoted, or loaded to warm)."""
+    plans: list[PlanStep] = field(default_factory=list)
+    """With ``SimConfig.record_plans``: every step."""
 
     @property
     def counted(self) -> npt.NDArray[np.bool_]:
@@ -270,58 +296,72 @@ class _Pool:
             self.standby_takes.append(now)
         return took
 
-    def apply(self, want: TierCounts, now: float) -> None:
+    def inventory(self) -> Inventory:
+        return Inventory(
+            hot=self.hot,
+            warm=self.warm,
+            starting_hot=len(self.promoting),
+            starting_warm=sum(1 for e in self.creating if e[1] == "warm"),
+        )
+
+    def apply(self, want: TierCounts, now: float, cfg: SimConfig) -> tuple[Target, Actions]:
+        """Carry out the policy's tier counts as the pools controller does: the same
+        :func:`~ember.pools.plan.hot_target` and :func:`~ember.pools.plan.plan`, acted on
+        this model of time (demotion instant, nothing on its way cancelled)."""
         p = self.promo
-        have = self.hot + len(self.promoting)
-        for _ in range(want.hot - have):
-            if self.warm:
-                self.warm -= 1
-                heapq.heappush(self.promoting, (now + p.warm_s, "warm"))
-            elif self._take_standby(now):
+        hot = hot_target(
+            want.hot, floor=cfg.hot_floor, weight=100, production=True, woken=False,
+            max_replicas=cfg.max_replicas,
+        )  # fmt: skip
+        target = Target(hot, want.warm)
+        ready = all_ready({"v": hot}, {"v": self.hot})
+        acts = plan(self.inventory(), target, fill_warm=cfg.fill_warm, may_retire=ready)
+        for _ in range(acts.promote):
+            self.warm -= 1
+            heapq.heappush(self.promoting, (now + p.warm_s, "warm"))
+        for _ in range(acts.keep_hot):  # the warm spare loading soonest stays hot
+            first = min(e for e in self.creating if e[1] == "warm")
+            self.creating.remove(first)
+            heapq.heapify(self.creating)
+            heapq.heappush(self.promoting, (first[0], first[2]))
+        for _ in range(acts.start_hot):
+            if self._take_standby(now):
                 heapq.heappush(self.promoting, (now + p.standby_s, "standby"))
             else:
                 heapq.heappush(self.promoting, (now + p.cold_s, "cold"))
-        for _ in range(have - want.hot):
-            if self.promoting:  # cancel the promotion that would finish last
-                last = max(self.promoting)
-                self.promoting.remove(last)
-                heapq.heapify(self.promoting)
-                if last[1] == "warm":
-                    self.warm += 1
-                elif last[1] == "standby" and self.shared is None:
-                    self.standby += 1
+        for _ in range(acts.start_warm):
+            if self._take_standby(now):
+                ready_at = now + max(p.standby_s - p.warm_s, 0.0)
+                heapq.heappush(self.creating, (ready_at, "warm", "standby"))
             else:
-                self.hot -= 1
-                self.warm += 1
-        self._fill("warm", want.warm, now)
+                heapq.heappush(self.creating, (now + p.cold_s, "warm", "cold"))
+        for _ in range(acts.stop_starting):  # the warm spare that would be ready last
+            last = max(e for e in self.creating if e[1] == "warm")
+            self.creating.remove(last)
+            heapq.heapify(self.creating)
+            if last[2] == "standby" and self.shared is None:
+                self.standby += 1
+        self.hot -= acts.demote + acts.stop_hot
+        self.warm += acts.demote - acts.stop_warm
         if self.shared is None:
             self._fill("standby", want.standby, now)
         else:  # claims on the shared pool: no process of its own to start or stop
             self.standby = want.standby
+        return target, acts
 
     def _fill(self, tier: str, want: int, now: float) -> None:
+        """The model's own standby processes (no catalogue): started or stopped to
+        ``want`` (a standby start is a cold start less the weights' load)."""
         p = self.promo
         pending = sum(1 for e in self.creating if e[1] == tier)
-        have = (self.warm if tier == "warm" else self.standby) + pending
+        have = self.standby + pending
         for _ in range(want - have):
-            if tier == "warm" and self._take_standby(now):
-                ready = now + max(p.standby_s - p.warm_s, 0.0)
-                heapq.heappush(self.creating, (ready, tier, "standby"))
-            else:
-                load = p.cold_s if tier == "warm" else max(p.cold_s - p.standby_s, 0.0)
-                heapq.heappush(self.creating, (now + load, tier, "cold"))
+            heapq.heappush(self.creating, (now + max(p.cold_s - p.standby_s, 0.0), tier, "cold"))
         for _ in range(have - want):
             if any(e[1] == tier for e in self.creating):
-                # Cancel the start that would finish last before touching a ready replica.
                 last = max(e for e in self.creating if e[1] == tier)
                 self.creating.remove(last)
                 heapq.heapify(self.creating)
-                if last[2] == "standby" and self.shared is None:
-                    self.standby += 1
-            elif tier == "warm":
-                self.warm -= 1
-                if self.shared is None:  # shared: the process stops (the pool is sized apart)
-                    self.standby += 1
             else:
                 self.standby -= 1
 
@@ -423,6 +463,7 @@ class _Loop:
         self.last_eval = 0.0
         self.next_eval = 0.0
         self.decisions = 0
+        self.plans: list[PlanStep] = []
 
     # -- time and capacity
 
@@ -476,7 +517,10 @@ class _Loop:
         )
         decision = self.scaler.step(obs, now)
         self.decisions += 1
-        p.apply(decision.desired, now)
+        inventory = p.inventory()
+        target, actions = p.apply(decision.desired, now, self.cfg)
+        if self.cfg.record_plans:
+            self.plans.append(PlanStep(now, obs, decision.desired, inventory, target, actions))
         self.next_eval = decision.next_eval_s
         self.last_eval = now
         self.served = self.arrived = self.admitted = 0.0
@@ -612,6 +656,7 @@ class _Loop:
             trace=self.trace.name,
             duration_s=self.trace.duration_s,
             standby_takes_s=np.asarray(self.pool.standby_takes, dtype=np.float64),
+            plans=self.plans,
         )
 
 

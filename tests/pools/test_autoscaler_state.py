@@ -123,8 +123,8 @@ def test_the_autoscaler_view_is_json_with_stages_reasons_and_decisions() -> None
 
 
 def test_the_cli_prints_each_stage_and_the_reasons() -> None:
-    import ember.cli  # noqa: F401  (ember.cli_models is loaded through it)
-    from ember.cli_models import autoscaler_text
+    import ember.cli  # noqa: F401
+    from ember.cli.deployments import autoscaler_text
 
     ctl = controller(None)
     learn(ctl, days=1)
@@ -148,3 +148,36 @@ def test_a_changed_policy_applies_at_the_next_step_and_keeps_what_was_learned() 
     after = ctl.scaler(KEY, ctl.deployments[KEY], "1")
     assert after is before and after.state is learned
     assert after.config.schedules[0].min_hot == 4
+
+
+def test_a_deleted_deployment_takes_its_learned_state_with_it(store: ForecastStore) -> None:
+    ctl = controller(store)
+    learn(ctl, days=1)
+    other = ((2, "other"), "7")  # saved by an earlier controller, deleted while none ran
+    store.save({other: {"format": 1}})
+    asyncio.run(ctl._save_states(force=True))
+    assert store.load((KEY, "1")) is not None and store.load(other) is None
+
+    ctl.deployments = {}  # deleted
+    asyncio.run(ctl._save_states(force=True))
+    assert store.load((KEY, "1")) is None and not ctl.scalers and not ctl.targets
+    # Created again under the same name, it learns afresh.
+    again = controller(store)
+    asyncio.run(again._restore_states())
+    assert hot_ahead_of_the_step(again, day=1) == 1
+
+
+def test_learned_promotion_times_survive_a_restart(store: ForecastStore) -> None:
+    first = controller(store)
+    for seconds in (14.0, 16.0, 17.0):
+        first._promoted("cold", seconds)
+    learn(first, days=0.01)
+    asyncio.run(first._save_states(force=True))
+    second = controller(store)
+    asyncio.run(second._restore_states())
+    assert second.promotion_s["cold"] == [14.0, 16.0, 17.0]
+    assert second._promotion_times().cold_s == 16.0
+    store.redis.hset(store.key, store.PROMOTION_FIELD, '{"cold": ["x", -1, 1e9, 3]}')
+    assert store.load_promotion() == {"cold": [3.0]}  # only what a promotion can take
+    store.redis.hset(store.key, store.PROMOTION_FIELD, "not json")
+    assert store.load_promotion() == {}

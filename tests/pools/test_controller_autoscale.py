@@ -14,8 +14,8 @@ import httpx
 from ember.costmodel import CostModel
 from ember.pools.autoscaler import PromotionTimes, TierCounts, decide
 from ember.pools.backends.base import LaunchOptions, ReplicaBackend, ReplicaHandle
-from ember.pools.cli import Deployment, make_autoscaler
 from ember.pools.controller import DeploymentView, ManagedReplica, PoolsController
+from ember.pools.replay import Deployment, make_autoscaler
 from ember.pools.simulator import SimConfig, simulate
 from ember.pools.traces import synthetic
 from ember.registry.schemas import PoolPolicy
@@ -136,22 +136,22 @@ async def _warm_spares() -> None:
     v = view(min_hot=1, max_replicas=10)
     ctl.deployments = {KEY: v}
     ctl.targets[(KEY, "1")] = TierCounts(hot=1, warm=2)
-    ctl._scale()
-    ctl._fill_warm()
+    ctl._carry_out()
     # One hot replica and two warm spares are starting.
     starting = [r for r in ctl.replicas.values() if r.state == "starting"]
     assert len(backend.launched) == 3
     assert sorted(str(r.then_tier) for r in starting) == ["None", "warm", "warm"]
-    ctl._fill_warm()
+    ctl._carry_out()
     assert len(backend.launched) == 3  # the spares on their way count: no more starts
 
-    # A scale-up while the spares load takes one of them instead of a new process.
+    # A scale-up while the spares load takes one of them instead of a new process, and
+    # starts the missing spare.
     ctl.targets[(KEY, "1")] = TierCounts(hot=2, warm=2)
-    ctl._scale()
-    assert len(backend.launched) == 3
-    assert sum(1 for r in ctl.replicas.values() if r.then_tier == "warm") == 1
-    ctl._fill_warm()
-    assert len(backend.launched) == 4  # ... and the missing spare is started
+    (_, _, actions) = ctl.plans(KEY)["1"]
+    assert (actions.keep_hot, actions.start_hot, actions.start_warm) == (1, 0, 1)
+    ctl._carry_out()
+    assert sum(1 for r in ctl.replicas.values() if r.then_tier == "warm") == 2
+    assert len(backend.launched) == 4
 
     await ctl._check_starting()  # all loaded: the spares are demoted, the others serve
     await asyncio.gather(*ctl._assigning)
@@ -166,8 +166,9 @@ def test_without_fill_warm_nothing_is_started_for_the_warm_tier() -> None:
     ctl, backend = controller()
     ctl.deployments = {KEY: view(min_hot=1)}
     ctl.targets[(KEY, "1")] = TierCounts(hot=1, warm=2)
-    ctl._fill_warm()
-    assert backend.launched == []
+    ctl._carry_out()
+    assert len(backend.launched) == 1  # the hot replica; no warm spare
+    assert [r.then_tier for r in ctl.replicas.values()] == [None]
 
 
 def test_the_standby_pool_grows_with_the_starts_it_serves_as_the_simulator_sizes_it() -> None:

@@ -128,13 +128,23 @@ def test_a_burst_seen_before_is_met_by_warm_promotions() -> None:
     assert second_without > sim.slo_wait_s
 
 
-def test_pending_starts_are_cancelled_before_ready_replicas() -> None:
+def test_ready_replicas_step_down_before_spares_still_loading_are_kept() -> None:
+    # The pools controller's rules (ember.pools.plan): over the hot target, ready hot
+    # replicas fill warm first and the warm spares still loading are cancelled; a hot
+    # start on its way is not (the demand that asked for it may be back).
+    sim = SimConfig(promotion=FAST)
     pool = _Pool(FAST)
     pool.hot = 3
-    pool.apply(TierCounts(hot=3, warm=2), now=0.0)  # two warm replicas start from cold
+    pool.apply(TierCounts(hot=3, warm=2), 0.0, sim)  # two warm replicas start from cold
     assert [e[1:] for e in pool.creating] == [("warm", "cold"), ("warm", "cold")]
-    pool.apply(TierCounts(hot=1, warm=2), now=1.0)  # two hot ones are demoted meanwhile
+    pool.apply(TierCounts(hot=1, warm=2), 1.0, sim)  # two hot ones are demoted meanwhile
     assert (pool.hot, pool.warm, pool.standby, pool.creating) == (1, 2, 0, [])
+    pool.apply(TierCounts(hot=3, warm=0), 2.0, sim)  # two promotions, then demand goes
+    pool.apply(TierCounts(hot=1, warm=0), 2.1, sim)
+    assert (pool.hot, len(pool.promoting)) == (1, 2)  # on their way: not cancelled
+    pool.complete(10.0)
+    pool.apply(TierCounts(hot=1, warm=0), 10.0, sim)  # ready now: stopped
+    assert (pool.hot, pool.warm, pool.promoting) == (1, 0, [])
 
 
 def test_the_shared_standby_pool_learns_its_size_from_what_was_asked() -> None:
