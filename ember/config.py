@@ -1,6 +1,7 @@
 """Ember settings: one typed object, read from ``EMBER_*`` environment variables.
 
-Every field here is documented in the README's configuration table with its default.
+Every field here is documented, with its default, in the manual's settings reference
+(docs/reference/settings.md), which the site's build generates from this class.
 Build one ``Settings`` at process start (``get_settings()``), validate it, and hand the
 pieces down; nothing reads the environment anywhere else.
 """
@@ -136,9 +137,11 @@ class Settings(BaseSettings):
     scale_forecast_quantile: float = Field(0.8, ge=0.5, lt=1)
     """Each tier covers this quantile of the forecast demand at its horizon, not the mean
     (0.5: the mean)."""
-    scale_profile_period_s: float = Field(86_400.0, ge=600, le=86_400)
+    scale_profile_period_s: float = Field(86_400.0, ge=20, le=86_400)
     """Period of the autoscaler's daily profile (the weekly one is seven of them). Only
-    tests and demos change it, to compress a day."""
+    tests and demos change it, to compress a day: the profile's bins (to no less than two
+    ticks) and the autoscaler's memories (the demand's level and trend, a burst, a step
+    down held; to no less than five ticks) shrink by the same factor."""
     warm_set_bytes: int = Field(4 * 1024**3, ge=0)
     """The shared warm tier (local backend): host RAM that holds the cached weights of
     versions with no hot or warm replica (most recently requested first), mapped and
@@ -217,6 +220,37 @@ class Settings(BaseSettings):
     """Lowest level logged."""
     log_format: Literal["auto", "json", "console"] = "auto"
     """``auto``: JSON when stderr is not a TTY, human-readable when it is."""
+
+    # --- traces (ember.tracing) ---
+    otel_endpoint: str | None = None
+    """OTLP/HTTP collector that traces are exported to (``http://host:4318``; spans go to
+    ``<endpoint>/v1/traces``). Unset: tracing is off (no exporter, no spans); a client's
+    ``traceparent`` still reaches the log lines. Replicas inherit ``EMBER_OTEL_*`` but the
+    headers."""
+    otel_service_name: str | None = None
+    """``service.name`` of this process's spans. Default: ``ember-api``, ``ember-engine``
+    (a replica) or ``ember-worker``."""
+    otel_sample_ratio: float = Field(1.0, ge=0, le=1)
+    """Share of new traces recorded (chosen by trace id); a request with a caller's
+    ``traceparent`` follows the caller's sampled flag."""
+    otel_headers: SecretStr | None = None
+    """Headers sent with every export, ``name=value`` pairs separated by commas (a hosted
+    collector's API key). Never passed to replicas (they run tenants' code): point them at
+    a collector that needs none, such as an agent on the host."""
+    otel_export_delay_ms: int = Field(2000, ge=10, le=60_000)
+    """How long finished spans are batched before they are sent."""
+    otel_timeout_s: float = Field(10.0, gt=0, le=60)
+    """Timeout of one export request to the collector."""
+
+    @field_validator("otel_endpoint")
+    @classmethod
+    def _otel_endpoint(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        parsed = urlparse(value.strip())
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise ValueError("EMBER_OTEL_ENDPOINT must be an http:// or https:// URL")
+        return value.strip()
 
     # --- loader ---
     s3_retry_base_s: float = Field(0.1, gt=0, le=10)
@@ -424,6 +458,15 @@ class Settings(BaseSettings):
     """Serve ``/metrics`` on this port, bound to ``127.0.0.1``, without a key (and not on
     the API port). Unset (the default): ``/metrics`` is on the API port and needs a key (an
     admin key reads every series, a tenant key its own tenant's)."""
+    engine_metrics_port: int | None = Field(None, ge=1, le=65535)
+    """A replica (``ember engine``) serves its own ``/metrics`` on this port too, on every
+    address and without the replica secret, for a Prometheus scrape (the Kubernetes backend
+    sets it on replica pods from ``EMBER_K8S_REPLICA_METRICS_PORT``). Unset (the default):
+    only on the replica port, with the secret."""
+    k8s_replica_metrics_port: int | None = Field(9090, ge=1, le=65535)
+    """The port of a replica pod's own ``/metrics`` (no secret; the ``metrics`` container
+    port, with ``prometheus.io/*`` scrape annotations; deploy/k8s/monitoring admits only the
+    scraper to it). Unset: replica pods expose no metrics port."""
     jobs_webhook_max_response_bytes: int = Field(4096, ge=0, le=1_048_576)
     """Bytes of a webhook receiver's answer read (the rest is not); default 4 KiB."""
 
@@ -566,7 +609,8 @@ def get_settings() -> Settings:
 
 
 def settings_table() -> str:
-    """The README's configuration table, generated from the fields' docstrings."""
+    """The settings reference's table (docs/reference/settings.md), generated from the
+    fields' docstrings."""
     rows = ["| Variable | Default | Meaning |", "|---|---|---|"]
     for name, field in Settings.model_fields.items():
         default = field.default_factory() if field.default_factory else field.default  # type: ignore[call-arg]

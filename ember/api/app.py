@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from sqlalchemy import Engine
 
 import ember
+from ember import tracing
 from ember.api import metrics as metrics_routes
 from ember.api import problems
 from ember.api.deps import ControlPlane, PrincipalCache
@@ -24,6 +25,7 @@ from ember.logs import get_logger
 from ember.registry.db import make_engine, migrate, session_scope
 from ember.registry.tenants import bootstrap
 from ember.registry.validation import BackgroundValidator
+from ember.ui import routes as ui_routes
 
 if TYPE_CHECKING:
     from ember.pools.gateway import Gateway
@@ -55,6 +57,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        traced = tracing.setup(settings, "ember-api")  # OTLP export: EMBER_OTEL_ENDPOINT
         app.state.engine, _ = prepare(settings, engine)
         app.state.validator = BackgroundValidator(app.state.engine, settings)
         resumed = app.state.validator.resume_pending()
@@ -82,6 +85,13 @@ def create_app(
             if getattr(app.state, "gateway", None) is not None:
                 await app.state.gateway.close()
                 await app.state.gateway.controller.stop()
+                app.state.gateway.controller.metrics.close()  # the last cost counts
+                if app.state.gateway.controller.history is not None:
+                    app.state.gateway.controller.history.close()
+            if getattr(app.state, "history", None) is not None:  # the dashboard's reader
+                app.state.history.close()
+            if traced:
+                tracing.shutdown()
 
     app = LaneApp(
         title="Ember",
@@ -99,6 +109,9 @@ def create_app(
     # The control plane: no worker keys, and each tenant key held to its request rate.
     for module in (tenants, models, deployments, jobs, batch_routes):
         app.include_router(module.router, dependencies=[ControlPlane])
+    app.include_router(metrics_routes.costs, dependencies=[ControlPlane])  # cost per success
+    app.include_router(ui_routes.router, dependencies=[ControlPlane])  # the dashboard's JSON
+    app.include_router(ui_routes.pages)  # the dashboard: /ui (static, no data)
     if settings.metrics_port is None:  # else on loopback only (``ember.api.metrics``)
         app.include_router(metrics_routes.router)
     # In front of everything: the predict lane takes what it reads (``ember.api.lane``).
@@ -152,6 +165,12 @@ def start_pools(settings: Settings, engine: Engine) -> Gateway:
         from ember.pools.demand import ForecastStore
 
         controller.forecast_store = ForecastStore(settings.redis_url)
+    from ember.pools.history import History
+
+    controller.history = History(settings.redis_url)  # the dashboard's time series
+    from ember.pools.costs import CostLedger
+
+    controller.metrics.use_costs(CostLedger(settings.redis_url))  # shared through Redis
     controller.start()
     admission = Admission(settings.tenant_units_per_s, settings.tenant_burst_units)
     cache = ResponseCache(

@@ -15,6 +15,7 @@ from fastapi.security.utils import get_authorization_scheme_param
 from sqlmodel import Session
 from starlette.concurrency import run_in_threadpool
 
+from ember import tracing
 from ember.api.ratelimit import RateLimiter
 from ember.config import Settings
 from ember.errors import EmberError, RateLimited, Unauthenticated
@@ -208,9 +209,10 @@ async def get_principal(
     cache: PrincipalCache = request.app.state.principals
     cache_key = (hash_key(credentials.credentials), x_ember_tenant)
     refresh = refresher(request.app.state.engine, credentials.credentials, x_ember_tenant)
-    principal = cache.get(cache_key, refresh)
-    if principal is None:
-        principal = await cache.load(cache_key, refresh)
+    with tracing.span("auth"):
+        principal = cache.get(cache_key, refresh)
+        if principal is None:
+            principal = await cache.load(cache_key, refresh)
     return principal
 
 
@@ -271,7 +273,8 @@ def cached_principal(
     scheme, credentials = get_authorization_scheme_param(authorization)
     if scheme.lower() != "bearer" or not credentials or len(credentials) > 512:
         return None
-    return cache.get((hash_key(credentials), tenant), refresher(engine, credentials, tenant))
+    with tracing.span("auth"):
+        return cache.get((hash_key(credentials), tenant), refresher(engine, credentials, tenant))
 
 
 Limit = Annotated[int, Query(ge=1, le=500, description="Page size.")]

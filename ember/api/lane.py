@@ -27,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ember import tracing
 from ember.api import problems
 from ember.api.middleware import last_header, request_id_of
 from ember.errors import EmberError
@@ -172,6 +173,12 @@ class LaneApp(FastAPI):
                                    media=media))  # fmt: skip
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and tracing.traced(scope):  # its server span around all
+            await tracing.serve_http(self._serve, scope, receive, send)
+            return
+        await self._serve(scope, receive, send)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.lanes and scope["type"] == "http" and not self.root_path:
             for lane in self.lanes:
                 match = lane.takes(scope)

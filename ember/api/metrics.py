@@ -13,23 +13,26 @@ Two ways, the operator's choice (``EMBER_METRICS_PORT``):
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
+from typing import Annotated, Any
 
-from fastapi import APIRouter, FastAPI, Request, Response
+from fastapi import APIRouter, FastAPI, Path, Request, Response
 from fastapi.responses import PlainTextResponse
+from redis.exceptions import RedisError
 
-from ember.api.deps import PrincipalDep
+from ember.api.deps import PrincipalDep, SessionDep
+from ember.engine.metrics import LOOPBACK, MetricsServer
+from ember.errors import NotReady
 from ember.logs import get_logger
+from ember.registry import deployments
+from ember.registry.schemas import NAME_PATTERN
 
 log = get_logger(__name__)
 MEDIA = "text/plain; version=0.0.4; charset=utf-8"
-LOOPBACK = "127.0.0.1"
-MAX_REQUEST_HEAD = 8 * 1024
-"""Bytes of request line and headers the loopback server reads before it gives up."""
-READ_TIMEOUT_S = 10.0
 
 router = APIRouter(tags=["health"])
+costs = APIRouter(prefix="/v1/deployments", tags=["deployments"])
+"""``GET /v1/deployments/{name}/cost`` (included with the control plane's dependencies)."""
+DeploymentName = Annotated[str, Path(pattern=NAME_PATTERN, description="Deployment name.")]
 
 
 def render(app: FastAPI, tenant: str | None) -> bytes:
@@ -51,48 +54,33 @@ def metrics(request: Request, principal: PrincipalDep) -> Response:
     return Response(render(request.app, tenant), media_type=MEDIA)
 
 
-class LoopbackMetrics:
-    """A minimal HTTP server on ``127.0.0.1:<port>`` answering ``GET /metrics`` (every
-    series, no key: only this host reaches it) and 404 to anything else. It runs on the
-    API's event loop; each connection gets one answer and is closed."""
+@costs.get("/{name}/cost", summary="Cost per successful answer per version (windows, lifetime)")
+def cost(
+    request: Request, name: DeploymentName, principal: PrincipalDep, session: SessionDep
+) -> dict[str, Any]:
+    """Replica-seconds per 2xx answer for each version of the deployment: over the last 5
+    minutes, hour and day (``window``) and since counting began (``lifetime``); ``null``
+    where no answer was sent. The same figure from every API process (the counts are
+    shared through Redis); ``breakdown`` holds what each figure is made of (replica-seconds
+    per tier, the apportioned share of standby processes, successes, standby starts).
+    503 on an API process that runs no pools controller."""
+    deployment = deployments.get(session, principal.tenant_id, name)
+    gateway = getattr(request.app.state, "gateway", None)
+    if gateway is None:
+        raise NotReady("this API process runs no pools controller (EMBER_POOLS_ENABLED=false)")
+    try:
+        snapshot = gateway.controller.metrics.costs.snapshot()
+    except RedisError as exc:
+        log.warning("could not read the cost counts", error=str(exc))
+        raise NotReady("the shared cost counts cannot be read now; try again") from exc
+    figures: dict[str, Any] = snapshot.of_deployment(deployment.tenant_id, deployment.name)
+    return figures
+
+
+class LoopbackMetrics(MetricsServer):
+    """The API's every series on ``127.0.0.1:<port>`` (``EMBER_METRICS_PORT``): only this
+    host reaches it."""
 
     def __init__(self, app: FastAPI, port: int) -> None:
-        self.app, self.port = app, port
-        self.server: asyncio.Server | None = None
-
-    async def start(self) -> None:
-        self.server = await asyncio.start_server(
-            self._answer, LOOPBACK, self.port, limit=MAX_REQUEST_HEAD
-        )
-        log.info("metrics served on loopback", url=f"http://{LOOPBACK}:{self.port}/metrics")
-
-    async def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.server.wait_closed(), 5)
-            self.server = None
-
-    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT_S)
-            parts = head.split(b"\r\n", 1)[0].split()
-            method = parts[0] if parts else b""
-            path = parts[1].split(b"?", 1)[0] if len(parts) > 1 else b""
-            if method in (b"GET", b"HEAD") and path == b"/metrics":
-                body = await asyncio.to_thread(render, self.app, None)
-                status, media = b"200 OK", MEDIA.encode()
-            else:
-                body, status, media = b"not found\n", b"404 Not Found", b"text/plain"
-            writer.write(
-                b"HTTP/1.1 " + status + b"\r\nContent-Type: " + media
-                + b"\r\nContent-Length: " + str(len(body)).encode()
-                + b"\r\nConnection: close\r\n\r\n" + (body if method != b"HEAD" else b"")
-            )  # fmt: skip
-            await writer.drain()
-        except (OSError, TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
-            pass
-        finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+        super().__init__(lambda: render(app, None), port, LOOPBACK)
+        self.app = app

@@ -16,6 +16,7 @@ from sqlalchemy import Engine, func, update
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
+from ember import tracing
 from ember.batch import datasets
 from ember.batch.schemas import BatchSpec, Progress, RunPublic, ShardError
 from ember.config import Settings
@@ -214,6 +215,7 @@ def publish(celery: Any, shard_id: int, countdown_s: float = 0.0) -> None:
             priority=9,
             countdown=countdown_s if countdown_s > 0 else None,
             retry=False,
+            headers=tracing.carrier(),  # the run's trace, which the shard continues
         )
     except Exception as exc:  # Redis down: the sweep publishes it again
         log.warning("batch shard not published", shard=shard_id, error=str(exc)[:300])

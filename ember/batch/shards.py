@@ -40,6 +40,7 @@ import pydantic_core
 from sqlalchemy import Engine, and_, or_, update
 from sqlmodel import Session, col, select
 
+from ember import tracing
 from ember.batch import datasets
 from ember.batch.client import GatewayClient, InputCache, Lane, Target
 from ember.batch.plan import FINISHED, SHARD_TASK, publish, pump, utcnow
@@ -131,7 +132,9 @@ class ShardRunner:
 
     # --- one message -------------------------------------------------------------------
 
-    def run(self, shard_id: int) -> str:
+    def run(self, shard_id: int, trace: dict[str, str] | None = None) -> str:
+        """One delivery of shard ``shard_id``; ``trace``: its message's trace context (the
+        run's: the shard continues it, and publishes the next shards in it)."""
         lease = self.claim(shard_id)
         if lease is None:
             return "skipped"
@@ -142,11 +145,16 @@ class ShardRunner:
             return "skipped"
         lease.keep()
         try:
-            with model_context(run.model, run.version, run_id=run.uid, shard=shard.number):
+            attributes = tracing.model_attributes(run.model, run.version)
+            with (
+                model_context(run.model, run.version, run_id=run.uid, shard=shard.number),
+                tracing.continued(trace, "shard", attributes | {"ember.batch_run": run.uid}),
+            ):
                 return self._attempt(run, shard, lease)
         finally:
             lease.done.set()
-            pump(self.engine, self.celery, run.id or 0)
+            with tracing.attached(trace):
+                pump(self.engine, self.celery, run.id or 0)
 
     def claim(self, shard_id: int) -> Lease | None:
         s = self.settings
@@ -378,7 +386,7 @@ class ShardRunner:
         """The predictions for ``chunk``: a list, or an array when a replica answered
         with a tensor."""
         path = f"/v1/models/{run.model}/versions/{run.version}:predict"
-        headers = {"X-Ember-Tenant": tenant, "X-Request-Id": run.uid}
+        headers = tracing.inject({"X-Ember-Tenant": tenant, "X-Request-Id": run.uid})
         if isinstance(chunk, np.ndarray):  # a tensor body: no JSON on the way to the model
             tensor = TensorBody.of(chunk)
             body = tensor.data
@@ -808,14 +816,14 @@ def install(celery: Any, settings: Settings, engine: Engine) -> threading.Thread
 
     runner = ShardRunner(settings, engine, celery)
 
-    def shard(shard_id: object) -> str:
+    def shard(task: Any, shard_id: object) -> str:
         if not isinstance(shard_id, int) or isinstance(shard_id, bool):
             log.warning("malformed batch shard message dropped", payload=repr(shard_id)[:100])
             return "malformed"
-        return runner.run(shard_id)
+        return runner.run(shard_id, tracing.from_task(task.request))
 
     options = {"acks_late": True, "reject_on_worker_lost": True, "ignore_result": True}
-    celery.task(name=SHARD_TASK, **options)(shard)
+    celery.task(name=SHARD_TASK, bind=True, **options)(shard)
 
     def loop() -> None:
         while True:

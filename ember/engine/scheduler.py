@@ -347,4 +347,10 @@ def _segments(item: Item, resumed: float) -> dict[str, float]:
         "window_s": item.dispatched - free,
         "forward_s": max(0.0, end - start),
         "handoff_s": max(0.0, start - item.dispatched) + max(0.0, resumed - max(end, start)),
+        # the boundaries themselves (monotonic): the replica's trace spans (ember.tracing)
+        "enqueued_at": item.enqueued,
+        "free_at": free,
+        "dispatched_at": item.dispatched,
+        "forward_at": start,
+        "forward_end_at": end,
     }

@@ -28,9 +28,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request as StarletteRequest
 from starlette.types import Receive, Scope, Send
 
+from ember import tracing
 from ember.api import problems
 from ember.api.lane import Answer, LaneApp, header_values
 from ember.api.middleware import BodyLimit, RequestContext
+from ember.engine.metrics import serve_replica_metrics
 from ember.engine.replica import Replica, Tenancy
 from ember.engine.spec import REPLICA_SECRET_HEADER, Priority, Tier, VersionSpec
 from ember.engine.tensorbody import (
@@ -155,13 +157,19 @@ def create_replica_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        traced = tracing.setup(replica.settings, "ember-engine")  # EMBER_OTEL_ENDPOINT
         loading = asyncio.create_task(assign_and_mount(spec)) if spec is not None else None
+        scraped = await serve_replica_metrics(replica, replica.settings.engine_metrics_port)
         try:
             yield
         finally:
+            if scraped is not None:
+                await scraped.close()
             if loading is not None and not loading.done():
                 loading.cancel()
             await replica.close()
+            if traced:
+                tracing.shutdown()
 
     app = ReplicaApp(title="Ember replica", lifespan=lifespan, openapi_url=None)
     app.secret = secret.encode("latin-1") if secret else None
@@ -197,6 +205,11 @@ def create_replica_app(
         else:
             outputs = await replica.infer(body.instances, priority, body.timeout_ms, timing)
         assert replica.spec is not None
+        if tracing.enabled:  # the replica's spans: its queue, batch window, forward pass
+            spec = replica.spec
+            tracing.annotate(tracing.model_attributes(spec.model, spec.version,
+                                                      replica=replica.replica_id))  # fmt: skip
+            tracing.record_stages(timing)
         answer = {"predictions": outputs, "model": replica.spec.model,
                   "version": replica.spec.version}  # fmt: skip
         queue_ms = f"{timing.get('queue_s', 0.0) * 1000:.3f}"

@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Any
 
+from ember import tracing
 from ember.config import Settings
 from ember.logs import get_logger
 
@@ -108,6 +109,7 @@ class Publisher:
                 priority=priority,
                 countdown=countdown_s if countdown_s > 0 else None,
                 retry=False,
+                headers=tracing.carrier(),  # the job's trace, which the worker continues
             )
         except Exception as exc:  # kombu OperationalError, redis errors, socket errors
             with self._lock:

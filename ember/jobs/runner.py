@@ -36,6 +36,7 @@ from sqlalchemy import Engine
 from sqlmodel import Session
 from structlog.contextvars import bind_contextvars
 
+from ember import tracing
 from ember.config import Settings
 from ember.errors import EmberError, InvalidInput, LoaderError, StoreUnavailable
 from ember.jobs import records, results
@@ -111,7 +112,7 @@ class DataPlane:
             "priority": "async",
             "timeout_ms": max(1.0, min(600_000.0, timeout_s * 1000)),
         }
-        headers = {"X-Ember-Tenant": tenant, "X-Request-Id": uid}
+        headers = tracing.inject({"X-Ember-Tenant": tenant, "X-Request-Id": uid})
         try:
             response = self.http.post(path, json=body, headers=headers, timeout=timeout_s + 5)
         except httpx.TimeoutException as exc:
@@ -206,8 +207,9 @@ class Runner:
 
     # --- one message -----------------------------------------------------------------
 
-    def run(self, uid: str) -> str:
-        """Handle one delivery of ``uid``; returns what happened (for logs and tests)."""
+    def run(self, uid: str, trace: dict[str, str] | None = None) -> str:
+        """Handle one delivery of ``uid``; returns what happened (for logs and tests).
+        ``trace``: the trace context its message carried (``ember.tracing.carrier``)."""
         s = self.settings
         outcome = records.claim(self.engine, uid, self.worker, s.jobs_lease_s, s.jobs_result_ttl_s)
         if isinstance(outcome, records.Skip):
@@ -222,7 +224,11 @@ class Runner:
         try:
             # Until the first chunk answers, an unpinned job's version is the split's choice.
             version = job.version_pinned or job.version or "routed"
-            with model_context(job.model, version, job_id=uid, attempt=claim.number):
+            attributes = tracing.model_attributes(job.model, version, job.deployment)
+            with (
+                model_context(job.model, version, job_id=uid, attempt=claim.number),
+                tracing.continued(trace, "job", attributes | {"ember.job": uid}),
+            ):
                 return self._attempt(claim, lost)
         finally:
             self.leases.release(job.id or 0)
@@ -271,6 +277,7 @@ class Runner:
                 if start + job.chunk_size < len(instances):  # visible while it runs
                     records.set_version(self.engine, job.id or 0, claim.lease, version)
                 bind_contextvars(version=version)
+                tracing.annotate({"ember.version": version})
             rung = max(rung, answer.rung, key=lambda r: RUNGS.index(r) if r in RUNGS else 0)
             predictions.extend(answer.predictions)
         if lost.is_set():

@@ -13,10 +13,12 @@ import hashlib
 import json
 from typing import Any
 
+from opentelemetry.trace import SpanKind
 from sqlalchemy import Engine, func
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
+from ember import tracing
 from ember.config import Settings
 from ember.costmodel import CostModel, hardware_key
 from ember.errors import BackPressure, Conflict, InvalidInput, NotFound
@@ -185,7 +187,11 @@ def submit(
             deployment=job.deployment,
             version=pinned,
         )
-    if not publisher.run(job.uid, job.priority):
+    attributes = tracing.model_attributes(job.model, pinned, job.deployment)
+    tracing.annotate(attributes)  # the request's server span
+    with tracing.span("enqueue", attributes | {"ember.job": job.uid}, SpanKind.PRODUCER):
+        published = publisher.run(job.uid, job.priority)
+    if not published:
         job.published_at = None
         session.add(job)
         session.commit()

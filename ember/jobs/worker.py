@@ -34,6 +34,7 @@ from typing import Any
 from sqlalchemy import Engine, inspect
 from sqlmodel import Session, col, select
 
+from ember import tracing
 from ember.config import Settings
 from ember.errors import CapacityError, InvalidInput
 from ember.jobs import webhooks
@@ -81,11 +82,11 @@ def build(settings: Settings) -> tuple[Any, Runner, Sweeper, Leases]:
     runner = Runner(settings, engine, publisher, leases)
     sweeper = Sweeper(settings, engine, publisher)
 
-    def run(uid: object) -> str:
+    def run(task: Any, uid: object) -> str:
         if not isinstance(uid, str) or len(uid) > 40:
             log.warning("malformed job message dropped", payload=repr(uid)[:100])
             return "malformed"
-        return runner.run(uid)
+        return runner.run(uid, tracing.from_task(task.request))
 
     def webhook(uid: object) -> str:
         if not isinstance(uid, str) or len(uid) > 40:
@@ -95,7 +96,7 @@ def build(settings: Settings) -> tuple[Any, Runner, Sweeper, Leases]:
     # Late acknowledgement: a message is acknowledged only once its job is settled (the
     # result written, or re-queued), and rejected back to the queue if the worker dies.
     options = {"acks_late": True, "reject_on_worker_lost": True, "ignore_result": True}
-    celery.task(name=RUN_TASK, **options)(run)
+    celery.task(name=RUN_TASK, bind=True, **options)(run)
     celery.task(name=WEBHOOK_TASK, **options)(webhook)
     return celery, runner, sweeper, leases
 
@@ -108,6 +109,7 @@ def run_worker(
     a worker that ``ember up`` started never outlives it."""
     if parent_pid is not None:
         threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    traced = tracing.setup(settings, "ember-worker")  # EMBER_OTEL_ENDPOINT
     celery, runner, sweeper, leases = build(settings)
     alive = threading.Event()
     threading.Thread(target=_keep_alive, args=(alive,), name="ember-alive", daemon=True).start()
@@ -151,6 +153,8 @@ def run_worker(
         sweeper.stop.set()
         leases.stop.set()
         runner.close()
+        if traced:
+            tracing.shutdown()  # what is still batched is sent
 
 
 ALIVE_EVERY_S = 10.0

@@ -34,6 +34,7 @@ import httpx
 import pydantic_core
 import structlog
 
+from ember import tracing
 from ember.engine.spec import Priority
 from ember.engine.tensorbody import TIMEOUT_HEADER, TensorBody
 from ember.errors import (
@@ -50,6 +51,7 @@ from ember.logs import get_logger, model_context
 from ember.pools.admission import Admission, class_share
 from ember.pools.cache import ResponseCache, cache_key, digest
 from ember.pools.controller import DeploymentView, PoolsController
+from ember.pools.history import RequestStats
 from ember.pools.hop import HopAnswer, ReplicaClient, ReplicaUnreachable
 from ember.pools.predlog import DEFERRED_DIGESTS, PredictionLog
 from ember.pools.router import (
@@ -161,6 +163,7 @@ class Gateway:
         self.predictions = predictions or PredictionLog(None)
         self.ladder_reserve = ladder_reserve
         self.latency: dict[tuple[int, str, str], LatencyWindow] = {}
+        self.answers = RequestStats()  # the dashboard's latency / errors / rungs per version
         metrics = controller.metrics
         metrics.prediction_log = self.predictions
         metrics.response_cache = cache
@@ -220,7 +223,14 @@ class Gateway:
         input_digest = None  # computed here only when the cache needs it, else by the log
         if self.cache is not None and (policy.cache_ttl_s > 0 or policy.cache_stale_s > 0):
             input_digest = _input_digest(instances, params)
-        with model_context(view.model, chosen, deployment=view.name):
+        attributes = None
+        if tracing.enabled:  # on the request's server span and the gateway's
+            attributes = tracing.model_attributes(view.model, chosen, view.name)
+            tracing.annotate(attributes)
+        with (
+            model_context(view.model, chosen, deployment=view.name),
+            tracing.span("gateway", attributes) as traced,
+        ):
             try:
                 result = await self._ladder(
                     view,
@@ -236,6 +246,8 @@ class Gateway:
             except EmberError as exc:
                 self._log(view, tenant, chosen, instances, None, started, input_digest, exc, params)
                 raise
+            if tracing.enabled:
+                traced.set_attributes(_span_attributes(result))
             if result.timing is not None:
                 whole = (time.monotonic() - started) * 1000
                 result.timing = f"gateway;dur={whole:.3f}, {result.timing}"
@@ -307,7 +319,9 @@ class Gateway:
             if not use_cache:
                 return await model()
             assert self.cache is not None and key is not None
-            entry = await self.cache.get(key)
+            with tracing.span("cache") as looked:
+                entry = await self.cache.get(key)
+                looked.set_attribute("ember.cache", "miss" if entry is None else "found")
             if entry is not None and entry.fresh(time.time()):
                 self.cache.stats.hits += 1
                 self.controller.metrics.cached(view, "hit")
@@ -407,13 +421,15 @@ class Gateway:
         metrics = self.controller.metrics
         routes = self.controller.routes(key, chosen)
         if not routes and admit and not self._has_ladder(view):
-            routes = await self._await_replica(key, chosen, units, deadline)
+            with tracing.span("await replica"):
+                routes = await self._await_replica(key, chosen, units, deadline)
         if not routes:
             raise NotReady(
                 f"version {chosen!r} of {view.name!r} has no ready replica", version=chosen
             )
         if admit:
-            self.admit(view, tenant, chosen, routes, units, priority, timeout_s)
+            with tracing.span("admission"):
+                self.admit(view, tenant, chosen, routes, units, priority, timeout_s)
         self.budget.deposit()
         attempts = 0
         tried: set[str] = set()
@@ -424,8 +440,10 @@ class Gateway:
         headers = {"X-Ember-Priority": priority.label}
         while True:
             attempts += 1
-            candidates = self.candidates(view, chosen, units, tried)
-            route = pick_replica(candidates, session_key)
+            with tracing.span("route") as routed:
+                candidates = self.candidates(view, chosen, units, tried)
+                route = pick_replica(candidates, session_key)
+                routed.set_attribute("ember.replica", route.replica_id)
             tried.add(route.replica_id)
             remaining_s = deadline - time.monotonic()
             if remaining_s <= 0:
@@ -784,9 +802,11 @@ class Gateway:
         Digests not given are computed by the log's writer thread, off the request's path:
         ``input_digest`` from ``input_value``, ``output_digest`` from ``output_value``.
         ``ended``: when the answer was ready (default: now)."""
+        bound = structlog.contextvars.get_contextvars()
         record: dict[str, Any] = {
             "ts": time.time(),
-            "request_id": structlog.contextvars.get_contextvars().get("request_id"),
+            "request_id": bound.get("request_id"),
+            "trace_id": bound.get("trace_id"),
             "tenant": tenant,
             "deployment": view.name,
             "model": view.model,
@@ -816,6 +836,8 @@ class Gateway:
             is_bytes = isinstance(output_value, bytes)
             record["output"] = json.loads(output_value) if is_bytes else output_value
         self.predictions.record(record)
+        self.answers.record(view.tenant_id, view.name, version, status, rung, record["latency_ms"],
+                            replica)  # fmt: skip
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -853,6 +875,12 @@ def _passthrough(response: HopAnswer) -> Upstream:
             "detail": response.content.decode("utf-8", "replace")[:500],
         }
     return Upstream(response.status_code, body, response.headers.get("retry-after"))
+
+
+def _span_attributes(result: Prediction) -> dict[str, str]:
+    """What the gateway span learns from the answer (the version may be a fallback's)."""
+    return {"ember.version": result.version, "ember.replica": result.replica_id,
+            "ember.rung": result.rung, "ember.cache": result.cache}  # fmt: skip
 
 
 def _hop_timing(started: float, sent: float, answered: float, replica: str | None) -> str:

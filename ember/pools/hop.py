@@ -24,6 +24,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import cast
 
+from opentelemetry.trace import SpanKind
+
+from ember import tracing
 from ember.engine.spec import REPLICA_SECRET_HEADER
 
 KEEPALIVE_S = 3.0
@@ -31,6 +34,8 @@ KEEPALIVE_S = 3.0
 MAX_IDLE = 256
 """Idle connections kept per replica."""
 MAX_HEAD = 64 * 1024
+_ANSWERED = (("x-ember-replica", "ember.replica"), ("x-ember-model", "ember.model"),
+             ("x-ember-version", "ember.version"))  # fmt: skip
 
 
 class ReplicaUnreachable(ConnectionError):
@@ -211,7 +216,32 @@ class ReplicaClient:
     ) -> HopAnswer:
         """POST ``body`` (JSON unless ``content_type`` says otherwise) to ``base_url +
         path``; the complete answer. ``secret``: the replica API's (sent as
-        ``REPLICA_SECRET_HEADER``; the head that carries it is made once per replica)."""
+        ``REPLICA_SECRET_HEADER``; the head that carries it is made once per replica).
+        Traced: in a ``hop`` span whose ``traceparent`` the replica continues."""
+        if not tracing.enabled:  # a client's traceparent, if any, is passed on
+            return await self._post(
+                base_url, path, body, tracing.inject(headers), timeout_s, content_type, secret
+            )
+        with tracing.span("hop", {"url.full": base_url + path}, SpanKind.CLIENT) as hop:
+            answer = await self._post(
+                base_url, path, body, tracing.inject(headers), timeout_s, content_type, secret
+            )
+            hop.set_attribute("http.response.status_code", answer.status_code)
+            for name, attribute in _ANSWERED:
+                if name in answer.headers:  # who answered: the replica and its version
+                    hop.set_attribute(attribute, answer.headers[name])
+            return answer
+
+    async def _post(
+        self,
+        base_url: str,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        timeout_s: float,
+        content_type: str,
+        secret: str,
+    ) -> HopAnswer:
         host, port = _host_port(base_url)
         head = self._head(host, port, path, secret)
         request = head + _request_tail(body, headers, content_type)

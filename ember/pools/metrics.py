@@ -1,8 +1,11 @@
-"""Prometheus metrics of the pools and the gateway, per tenant, deployment and version.
+"""Prometheus metrics of the pools and the gateway, per tenant, deployment, model and
+version (every series: docs/reference/metrics.md).
 
 Every series about a tenant's deployment carries a ``tenant`` label (the tenant's name;
 ``-`` for standby processes, which belong to no tenant yet): ``render(tenant=...)``
-gives a tenant only its own series, the API's ``/metrics`` does that for tenant keys."""
+gives a tenant only its own series, the API's ``/metrics`` does that for tenant keys.
+Cost per success (``ember_cost_*``) is read at scrape time from the shared ledger
+(``ember.pools.costs``): the same figures on every API process."""
 
 from __future__ import annotations
 
@@ -10,19 +13,26 @@ import time
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from ember.logs import get_logger
+from ember.pools.costs import WINDOWS, CostLedger
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from ember.pools.cache import ResponseCache
-    from ember.pools.controller import DeploymentView, PoolsController
+    from ember.pools.controller import DeploymentView, ManagedReplica, PoolsController
     from ember.pools.predlog import PredictionLog
+
+log = get_logger(__name__)
 
 LATENCY = (0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 STARTUP = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
 NO_TENANT = "-"
 """The ``tenant`` label of what belongs to no tenant (standby processes)."""
+STANDBY_DEPLOYMENT = "(standby)"
+"""The ``deployment`` label of a standby process (no deployment yet)."""
 
 
 class _OnlyTenant:
@@ -40,30 +50,134 @@ class _OnlyTenant:
                 yield mine
 
 
+class _Totals:
+    """Running totals kept elsewhere (the prediction log, the response cache), exposed as
+    counters when scraped."""
+
+    def __init__(self, metrics: PoolMetrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        plog = self.metrics.prediction_log
+        if plog is not None:
+            records = CounterMetricFamily(
+                "ember_prediction_log_records",
+                "Prediction log records by fate (written, dropped)",
+                labels=["fate"],
+            )
+            records.add_metric(["written"], plog.written)
+            records.add_metric(["dropped"], plog.dropped)
+            yield records
+            yield GaugeMetricFamily(
+                "ember_prediction_log_pending_records",
+                "Prediction log records waiting to be written",
+                value=plog.pending,
+            )
+            yield CounterMetricFamily(
+                "ember_prediction_log_sink_errors", "Failed prediction log flushes",
+                value=plog.sink_errors,
+            )  # fmt: skip
+        if self.metrics.response_cache is not None:
+            yield CounterMetricFamily(
+                "ember_response_cache_errors",
+                "Response cache Redis errors (served as misses)",
+                value=self.metrics.response_cache.stats.errors,
+            )
+
+
+class _Costs:
+    """Cost per success from the shared ledger: the same on every API process (so sum
+    nothing over API processes: take ``max`` or any one)."""
+
+    def __init__(self, metrics: PoolMetrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.metrics
+        try:
+            snapshot = m.costs.snapshot()
+        except Exception as exc:  # Redis away: no cost series this scrape
+            log.warning("could not read the cost counts", error=str(exc))
+            return
+        dv = ["tenant", "deployment", "model", "version"]
+        ratio = GaugeMetricFamily(
+            "ember_cost_per_success_replica_seconds",
+            "Replica-seconds (own tiers plus the apportioned standby share) per 2xx answer, "
+            "over a window (5m, 1h, 24h) or the lifetime; platform-wide",
+            labels=[*dv, "window"],
+        )
+        seconds = CounterMetricFamily(
+            "ember_cost_replica_seconds",
+            "Replica-seconds per tier counted by the acting controller; platform-wide "
+            "(standby processes: tenant -, deployment (standby))",
+            labels=[*dv, "tier"],
+        )
+        successes = CounterMetricFamily(
+            "ember_cost_successes",
+            "2xx answers sent by every API process; platform-wide",
+            labels=dv,
+        )
+        starts = CounterMetricFamily(
+            "ember_cost_standby_starts",
+            "Starts served by a standby process, which apportion its replica-seconds",
+            labels=dv,
+        )
+        life = snapshot.lifetime
+        for (t, d, model, v, tier), s in sorted(life.seconds.items()):
+            seconds.add_metric([m.tenant(t), d or STANDBY_DEPLOYMENT, model, v, tier], s)
+        for key in sorted(snapshot.versions()):
+            labels = [m.tenant(key[0]), key[1], key[2], key[3]]
+            if key in life.successes:
+                successes.add_metric(labels, life.successes[key])
+            if key in life.starts:
+                starts.add_metric(labels, life.starts[key])
+            figures = {w: snapshot.windows[w].per_success(key) for w in WINDOWS}
+            figures["lifetime"] = life.per_success(key)
+            for window, value in figures.items():
+                if value is not None:
+                    ratio.add_metric([*labels, window], value)
+        yield from (ratio, seconds, successes, starts)
+
+
 class PoolMetrics:
-    def __init__(self) -> None:
+    """The pools' and the gateway's series. Running totals are counters (``_total`` in the
+    exposition), durations in seconds; every series about a deployment carries ``tenant``,
+    ``deployment``, ``model`` and ``version`` (positional order: ``labels(*of(view),
+    version, ...)``). Cost per success comes from the shared ``CostLedger``
+    (``ember.pools.costs``): the same figure on every API process."""
+
+    def __init__(self, costs: CostLedger | None = None) -> None:
         r = self.registry = CollectorRegistry()
-        dv = ["tenant", "deployment", "version"]
+        dv = ["tenant", "deployment", "model", "version"]
         self.replicas = Gauge(
             "ember_replicas", "Replicas by state and tier", [*dv, "state", "tier"], registry=r
         )
         self.replica_seconds = Counter(
-            "ember_replica_seconds", "Replica-seconds alive per tier", [*dv, "tier"], registry=r
+            "ember_replica_seconds",
+            "Replica-seconds alive per tier, counted by the controller that acts (the leader)",
+            [*dv, "tier"],
+            registry=r,
         )
         self.cold_start = Histogram(
             "ember_cold_start_seconds",
-            "Launch to ready",
-            ["tenant", "model", "version"],
+            "Launch (or standby assignment) to ready",
+            dv,
             buckets=STARTUP,
             registry=r,
         )
         self.replaced = Counter(
-            "ember_replicas_replaced", "Replicas replaced", ["tenant", "reason"], registry=r
+            "ember_replicas_replaced", "Replicas replaced", [*dv, "reason"], registry=r
         )
         self.detect_seconds = Histogram(
             "ember_unhealthy_detect_seconds",
             "Last good answer to kill",
-            ["tenant"],
+            dv,
             buckets=STARTUP,
             registry=r,
         )
@@ -80,48 +194,48 @@ class PoolMetrics:
             buckets=LATENCY,
             registry=r,
         )
-        self.inflight = Gauge(
-            "ember_gateway_inflight_units", "In-flight model units", dv, registry=r
-        )
-        self.cost_per_success = Gauge(
-            "ember_cost_per_success_replica_seconds",
-            "Replica-seconds per 2xx answer",
-            dv,
-            registry=r,
-        )
         self.rungs = Counter(
             "ember_ladder_rung", "Answers per degradation-ladder rung", [*dv, "rung"], registry=r
         )
         self.cache = Counter(
             "ember_response_cache",
             "Response cache outcomes (hit, coalesced, miss, stale)",
-            ["tenant", "deployment", "outcome"],
+            ["tenant", "deployment", "model", "outcome"],
             registry=r,
         )
         self.hedges = Counter(
             "ember_hedges", "Hedged requests sent and won", [*dv, "outcome"], registry=r
         )
-        self.log_records = Gauge(
-            "ember_prediction_log_records",
-            "Prediction log records by fate (written, dropped, pending)",
-            ["fate"],
-            registry=r,
-        )
-        self.log_sink_errors = Gauge(
-            "ember_prediction_log_sink_errors", "Failed prediction log flushes", registry=r
-        )
-        self.cache_errors = Gauge(
-            "ember_response_cache_errors",
-            "Response cache Redis errors (served as misses)",
-            registry=r,
-        )
         self.prediction_log: PredictionLog | None = None
         self.response_cache: ResponseCache | None = None
-        self.successes: dict[tuple[str, str, str], int] = {}
-        self.seconds: dict[tuple[str, str, str], float] = {}
-        self.tenant_names: dict[int, str] = {}
+        self.costs = costs or CostLedger()
+        r.register(_Totals(self))
+        r.register(_Costs(self))
+        self._tenant_names: dict[int, str] = {}
+        self._tenant_ids: dict[str, int] = {}
+        self._counted: dict[str, float] = {}
+        """Replica id -> the monotonic time its replica-seconds were counted up to."""
+        self._starts_counted: set[str] = set()
+        """Replicas (assigned standby processes) whose start was counted for the ledger."""
+
+    def use_costs(self, costs: CostLedger) -> None:
+        """Share cost counts through ``costs`` (a Redis-backed ledger) from now on."""
+        old, self.costs = self.costs, costs
+        old.close()
+        costs.start()
+
+    def close(self) -> None:
+        self.costs.close()
+
+    @property
+    def tenant_names(self) -> dict[int, str]:
         """Tenant id -> name, refreshed by the controller with each registry read."""
-        self._last = time.monotonic()
+        return self._tenant_names
+
+    @tenant_names.setter
+    def tenant_names(self, names: dict[int, str]) -> None:
+        self._tenant_names = names
+        self._tenant_ids = {name: i for i, name in names.items()}
 
     def tenant(self, tenant_id: int) -> str:
         """The ``tenant`` label of a tenant id: its name (``#<id>`` while it is not known,
@@ -130,9 +244,15 @@ class PoolMetrics:
             return NO_TENANT
         return self.tenant_names.get(tenant_id) or f"#{tenant_id}"
 
-    def of(self, view: DeploymentView) -> tuple[str, str]:
-        """The ``tenant`` and ``deployment`` labels of a deployment."""
-        return self.tenant(view.tenant_id), view.name
+    def of(self, view: DeploymentView) -> tuple[str, str, str]:
+        """The ``tenant``, ``deployment`` and ``model`` labels of a deployment."""
+        return self.tenant(view.tenant_id), view.name, view.model
+
+    def of_replica(self, replica: ManagedReplica) -> tuple[str, str, str, str]:
+        """The ``tenant``, ``deployment``, ``model`` and ``version`` labels of a replica
+        (a standby process: ``-``, ``(standby)``, ``-``, ``-``)."""
+        name = replica.key[1] or STANDBY_DEPLOYMENT
+        return self.tenant(replica.key[0]), name, replica.model or "-", replica.version or "-"
 
     def request(self, view: DeploymentView, version: str, outcome: str) -> None:
         """One gateway outcome (``ok``, ``retried``, ``shed``) of ``view``'s ``version``."""
@@ -145,39 +265,49 @@ class PoolMetrics:
         self.hedges.labels(*self.of(view), version, outcome).inc()
 
     def observe(self, controller: PoolsController) -> None:
+        """The replica gauges; and, on the controller that acts, the replica-seconds of every
+        replica since it was last counted (from its start, or the last tick this controller
+        followed: the leader then counted them), and the standby starts."""
         now = time.monotonic()
-        dt, self._last = now - self._last, now
         self.replicas.clear()
-        counts: dict[tuple[str, str, str, str, str], int] = {}
+        counts: dict[tuple[str, ...], int] = {}
+        seen: dict[str, float] = {}
         for replica in controller.replicas.values():
-            tenant = self.tenant(replica.key[0])
-            name = replica.key[1] or "(standby)"
+            labels = self.of_replica(replica)
             state = "queued" if replica.queued else replica.state
-            labels = (tenant, name, replica.version or "-", state, replica.tier)
-            counts[labels] = counts.get(labels, 0) + 1
-            self.replica_seconds.labels(tenant, name, replica.version or "-", replica.tier).inc(dt)
-            key = (tenant, name, replica.version or "-")
-            self.seconds[key] = self.seconds.get(key, 0.0) + dt
-        for labels, n in counts.items():
-            self.replicas.labels(*labels).set(n)
-        for key, ok in self.successes.items():
-            if ok:
-                self.cost_per_success.labels(*key).set(self.seconds.get(key, 0.0) / ok)
+            row = (*labels, state, replica.tier)
+            counts[row] = counts.get(row, 0) + 1
+            rid = replica.handle.replica_id
+            since = max(self._counted.get(rid, replica.started_at), replica.started_at)
+            seen[rid] = now
+            if not controller.leading:  # a follower: the leader counts up to now
+                continue
+            seconds = max(0.0, now - since)
+            key = (replica.key[0], replica.key[1], replica.model or "-", replica.version or "-")
+            self.replica_seconds.labels(*labels, replica.tier).inc(seconds)
+            self.costs.add_seconds((*key, replica.tier), seconds)
+            served = replica.source != "cold" and not replica.adopted and replica.key[1]
+            if served and rid not in self._starts_counted:
+                self._starts_counted.add(rid)
+                self.costs.add_standby_start(key)
+        self._counted = seen
+        self._starts_counted &= set(seen)
+        for row_labels, n in counts.items():
+            self.replicas.labels(*row_labels).set(n)
 
-    def success(self, tenant: str, deployment: str, version: str) -> None:
-        key = (tenant, deployment, version)
-        self.successes[key] = self.successes.get(key, 0) + 1
+    def success(self, tenant: str, deployment: str, model: str, version: str) -> None:
+        """One 2xx answer (the gateway's), for cost per success."""
+        tenant_id = self.tenant_id(tenant)
+        self.costs.add_success((tenant_id, deployment, model, version))
+
+    def tenant_id(self, tenant: str) -> int:
+        """The tenant id of a ``tenant`` label (0: none, a standby process)."""
+        if tenant.startswith("#"):
+            return int(tenant[1:])
+        return self._tenant_ids.get(tenant, 0)
 
     def render(self, tenant: str | None = None) -> bytes:
         """The exposition text: every series, or with ``tenant`` only that tenant's."""
-        plog = self.prediction_log
-        if plog is not None:
-            self.log_records.labels("written").set(plog.written)
-            self.log_records.labels("dropped").set(plog.dropped)
-            self.log_records.labels("pending").set(plog.pending)
-            self.log_sink_errors.set(plog.sink_errors)
-        if self.response_cache is not None:
-            self.cache_errors.set(self.response_cache.stats.errors)
         if tenant is None:
             return generate_latest(self.registry)
         only = CollectorRegistry(auto_describe=False)

@@ -25,6 +25,7 @@ from typing import Any
 import anyio
 import httpx
 
+from ember import tracing
 from ember.engine.spec import Priority
 from ember.errors import DeadlineExceeded, EngineError, NotFound, NotReady
 from ember.logs import get_logger, model_context
@@ -248,7 +249,9 @@ class Passthrough:
                     "POST",
                     f"{route.url}{path}",
                     json=payload,
-                    headers={"X-Ember-Priority": priority.label} | replica_auth(route.secret),
+                    headers=tracing.inject(
+                        {"X-Ember-Priority": priority.label} | replica_auth(route.secret)
+                    ),  # the replica continues the request's trace
                     timeout=httpx.Timeout(remaining_s + 1.0, connect=min(5.0, remaining_s + 1)),
                 )
                 route.inflight_units += units

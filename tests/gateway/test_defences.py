@@ -283,10 +283,12 @@ def test_a_dead_log_sink_fails_no_request(data_dir: Path, tmp_path: Path) -> Non
         answers = [predict(live, "mlp", [i / 7] * 256) for i in range(10)]
         assert {a.status_code for a in answers} == {200}
         live.wait(
-            lambda: metric(live, "ember_prediction_log_sink_errors") >= 1, "a failed flush", 30
+            lambda: metric(live, "ember_prediction_log_sink_errors_total") >= 1,
+            "a failed flush",
+            30,
         )
-        assert metric(live, "ember_prediction_log_records", fate="dropped") >= 7
-        assert metric(live, "ember_prediction_log_records", fate="written") == 0
+        assert metric(live, "ember_prediction_log_records_total", fate="dropped") >= 7
+        assert metric(live, "ember_prediction_log_records_total", fate="written") == 0
 
 
 def test_hedging_answers_around_a_stuck_replica(live: Live) -> None:

@@ -66,7 +66,10 @@ def test_predict_canary_and_sticky_sessions(live: Live) -> None:
     assert fine.headers["x-request-id"] == "req-7" and fine.headers["x-ember-rung"] == "model"
     assert fine.headers["content-type"] == "application/json"
     metrics = live.client.get("/metrics").text
-    ok = 'ember_gateway_requests_total{deployment="mlp",outcome="ok",tenant="default",version="2"}'
+    ok = (
+        'ember_gateway_requests_total{deployment="mlp",model="mlp",outcome="ok",'
+        'tenant="default",version="2"}'
+    )
     assert ok in metrics
 
 
@@ -195,7 +198,7 @@ def test_a_deployment_takes_a_ready_standby_process(data_dir: Path) -> None:
     replica is that process, assigned its version — no interpreter start, no imports."""
     with live_api(data_dir, standby_replicas=1) as live:
         client = live.client
-        standby = 'deployment="(standby)",state="standby"'
+        standby = 'deployment="(standby)",model="-",state="standby"'
         live.wait(lambda: standby in client.get("/metrics").text, "a ready standby process")
         live.register("mlp", "1")
         deploy(live, "mlp", max_batch_size=16, max_queue_delay_ms=2, placement={"threads": 1})

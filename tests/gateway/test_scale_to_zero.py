@@ -12,6 +12,9 @@ from ember.loader.cache import CacheKey, WeightCache
 
 from .conftest import live_api
 
+STANDBY = 'deployment="(standby)",model="-",state="standby"'
+"""A ready standby process in ``ember_replicas``."""
+
 
 def test_idle_scale_to_zero_deployment_goes_warm_then_to_zero_and_a_request_wakes_it(
     data_dir: Path,
@@ -51,7 +54,7 @@ def test_idle_scale_to_zero_deployment_goes_warm_then_to_zero_and_a_request_wake
         # Scaled to zero: the next request (with a deadline long enough for a start from
         # the standby process) wakes it instead of being refused.
         live.wait(
-            lambda: 'deployment="(standby)",state="standby"' in client.get("/metrics").text,
+            lambda: STANDBY in client.get("/metrics").text,
             "a ready standby process",
             120,
         )

@@ -58,6 +58,8 @@ ADMIN_ONLY: Scopes = frozenset({ADMIN})
 PUBLIC = {("GET", p) for p in ("/healthz", "/readyz", "/v2", "/v2/health/live", "/v2/health/ready")}
 #: Served without a key and left out of the document: the document and its viewers.
 UNDOCUMENTED = {("GET", p) for p in ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")}
+#: The dashboard's static files (ember/ui: no data; its JSON is documented and in the matrix).
+UNDOCUMENTED |= {("GET", p) for p in ("/ui", "/ui/", "/ui/static/{path:path}")}
 #: The data plane (tenant, admin and worker keys; the worker acts for a job's tenant).
 DATA_PLANE = re.compile(r"(:predict$)|(^/v2/models/)|(^/openai/v1/)")
 
@@ -417,8 +419,9 @@ def plan(platform: SecurityPlatform, cell: Cell) -> Request:
     body = write.body(alice) if write is not None and write.body is not None else None
     client = platform.client(None) if scopes is None else _principal(platform, who, scopes, path)
     cleanup = write.cleanup if write is not None else None
-    if scopes is None:
-        return Request(client, url, body, 200, False, False)
+    if scopes is None:  # public; /ui/ sends the browser on to /ui
+        url = url.replace("{path:path}", "app.js")  # a dashboard file
+        return Request(client, url, body, 308 if path == "/ui/" else 200, False, False)
     if who == "owner":
         return Request(client, url, body, _owner_expect(method, path), False, False, cleanup)
     witness = method != "GET"

@@ -387,7 +387,7 @@ def test_replicas_run_as_the_tenants_uid_where_the_api_is_root(
         return "\n".join([f"--- api.log\n{api_log.read_text(errors='replace')[-4000:]}", *tails])
 
     with admin:
-        standby = 'deployment="(standby)",state="standby"'
+        standby = 'deployment="(standby)",model="-",state="standby"'
         live.wait(lambda: standby in admin.get("/metrics").text, "a ready standby process")
         live.register("mlp", "1")
         # two hot replicas: one takes the ready standby process, the other starts cold

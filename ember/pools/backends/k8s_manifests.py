@@ -25,10 +25,13 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ember.engine.spec import REPLICA_SECRET_ENV
 from ember.registry.schemas import Placement
+
+if TYPE_CHECKING:
+    from ember.config import Settings
 
 MANAGED_BY = "ember-pools"
 GROUP = "ember.dev/group"
@@ -68,6 +71,12 @@ class PodSettings:
     port: int
     cache_dir: str
     termination_grace_s: int
+    metrics_port: int | None = None
+    """The replica's own ``/metrics`` without the secret (``EMBER_K8S_REPLICA_METRICS_PORT``):
+    a ``metrics`` container port and ``prometheus.io/*`` annotations; None: neither."""
+    tracing: tuple[tuple[str, str], ...] = ()
+    """``EMBER_OTEL_*`` the replicas inherit (all but ``EMBER_OTEL_HEADERS``: replicas run
+    tenants' code and never see the collector's key)."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +139,22 @@ def _args(kind: ReplicaKind, pod: PodSettings) -> list[str]:
     return [*args, *served]
 
 
+def tracing_env(settings: Settings) -> tuple[tuple[str, str], ...]:
+    """The ``EMBER_OTEL_*`` settings a replica pod runs with: off unless the API's is on;
+    never the collector's headers (a secret)."""
+    if settings.otel_endpoint is None:
+        return ()
+    env = [
+        ("EMBER_OTEL_ENDPOINT", settings.otel_endpoint),
+        ("EMBER_OTEL_SAMPLE_RATIO", repr(settings.otel_sample_ratio)),
+        ("EMBER_OTEL_EXPORT_DELAY_MS", str(settings.otel_export_delay_ms)),
+        ("EMBER_OTEL_TIMEOUT_S", repr(settings.otel_timeout_s)),
+    ]
+    if settings.otel_service_name:
+        env.append(("EMBER_OTEL_SERVICE_NAME", settings.otel_service_name))
+    return tuple(env)
+
+
 def _env(kind: ReplicaKind, pod: PodSettings) -> list[dict[str, Any]]:
     threads = str(threads_of(kind.placement))
     # A version's replica caches under its tenant's directory (a standby pod moves there on
@@ -151,6 +176,7 @@ def _env(kind: ReplicaKind, pod: PodSettings) -> list[dict[str, Any]]:
         {"name": "TRITON_CACHE_DIR", "value": f"{HOME_DIR}/.cache/triton"},
         {"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{HOME_DIR}/.cache/torchinductor"},
         {"name": "CUDA_CACHE_PATH", "value": f"{HOME_DIR}/.cache/nv"},
+        *({"name": name, "value": value} for name, value in pod.tracing),
     ]
 
 
@@ -176,14 +202,18 @@ def _container(kind: ReplicaKind, pod: PodSettings) -> dict[str, Any]:
     ]
     if kind.spec is not None:
         mounts.append({"name": "spec", "mountPath": SPEC_DIR, "readOnly": True})
+    scrape, scrape_env = [], []  # the replica's own /metrics, for the scraper (no secret)
+    if pod.metrics_port:
+        scrape = [{"name": "metrics", "containerPort": pod.metrics_port, "protocol": "TCP"}]
+        scrape_env = [{"name": "EMBER_ENGINE_METRICS_PORT", "value": str(pod.metrics_port)}]
     return {
         "name": "engine",
         "image": pod.image,
         "imagePullPolicy": "IfNotPresent",
         "command": [_executable(kind)],
         "args": _args(kind, pod),
-        "ports": [{"name": "http", "containerPort": pod.port, "protocol": "TCP"}],
-        "env": _env(kind, pod),
+        "ports": [{"name": "http", "containerPort": pod.port, "protocol": "TCP"}, *scrape],
+        "env": [*_env(kind, pod), *scrape_env],
         "envFrom": [{"configMapRef": {"name": pod.config_map, "optional": True}}],
         "resources": _resources(kind.placement),
         # Ready = serving hot (/readyz) for a version; alive without weights for a
@@ -291,10 +321,22 @@ def version_annotations(kind: ReplicaKind) -> dict[str, str]:
     }
 
 
+def scrape_annotations(pod: PodSettings) -> dict[str, str]:
+    """Where an annotation-driven Prometheus scrapes the pod (deploy/k8s/monitoring has a
+    PodMonitor for the Prometheus Operator)."""
+    if not pod.metrics_port:
+        return {}
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(pod.metrics_port),
+            "prometheus.io/path": "/metrics"}  # fmt: skip
+
+
 def deployment(kind: ReplicaKind, pod: PodSettings) -> dict[str, Any]:
     """The Deployment for ``kind`` (created with 0 replicas; the backend scales it)."""
     template = {
-        "metadata": {"labels": version_labels(kind), "annotations": version_annotations(kind)},
+        "metadata": {
+            "labels": version_labels(kind),
+            "annotations": version_annotations(kind) | scrape_annotations(pod),
+        },
         "spec": pod_spec(kind, pod),
     }
     digest = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:10]

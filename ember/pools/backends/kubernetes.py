@@ -250,6 +250,8 @@ class KubernetesBackend(ReplicaBackend):
             port=settings.k8s_replica_port,
             cache_dir=str(settings.weight_cache_dir),
             termination_grace_s=settings.k8s_termination_grace_s,
+            metrics_port=settings.k8s_replica_metrics_port,
+            tracing=m.tracing_env(settings),
         )
         self.standby_hardware = list(settings.k8s_standby_accelerators) or [m.CPU]
         self.standby_size = (settings.k8s_standby_cpu_cores, settings.k8s_standby_memory_gib)

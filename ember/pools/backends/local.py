@@ -79,8 +79,8 @@ reads: the object store and loader settings, logging, threads, the device; never
 admin key, the database or broker URL, the jobs key or any other platform secret."""
 
 ENV_PREFIXES = (
-    "LC_", "EMBER_S3_", "EMBER_CACHE_", "EMBER_LOADER_", "EMBER_LOG_", "VLLM_", "KMP_",
-    "CUDA_MODULE_", "NCCL_", "TORCH_CUDA_",
+    "LC_", "EMBER_S3_", "EMBER_CACHE_", "EMBER_LOADER_", "EMBER_LOG_", "EMBER_OTEL_", "VLLM_",
+    "KMP_", "CUDA_MODULE_", "NCCL_", "TORCH_CUDA_",
 )  # fmt: skip
 
 AWS_PREFIX = "AWS_"
@@ -88,7 +88,7 @@ AWS_PREFIX = "AWS_"
 
 DENIED = frozenset({
     "EMBER_ADMIN_KEY", "EMBER_DATABASE_URL", "EMBER_REDIS_URL", "EMBER_JOBS_API_KEY",
-    "EMBER_API_KEY",
+    "EMBER_API_KEY", "EMBER_OTEL_HEADERS",
 })  # fmt: skip
 """Never passed on, whatever ``EMBER_REPLICA_ENV_PASSTHROUGH`` says."""
 
