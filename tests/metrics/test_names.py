@@ -20,7 +20,7 @@ from ember.engine.examples.mlp import ENGINE_CONFIG, INPUT_SCHEMA, build_mlp_art
 from ember.engine.spec import REPLICA_SECRET_ENV, REPLICA_SECRET_HEADER
 from tests import services
 from tests.gateway.conftest import replica_auth
-from tests.metrics.conftest import Deployed, X
+from tests.metrics.conftest import ApiProc, Deployed, X
 from tests.metrics.lint import lint, undocumented
 
 EMBER = str(Path(sys.executable).with_name("ember"))
@@ -64,7 +64,13 @@ def test_the_apis_metrics_follow_the_naming_rules(deployed: Deployed) -> None:
     for api in (deployed.a, deployed.b):
         answer = api.client.post("/v1/models/mlp:predict", json={"instances": [X]})
         assert answer.status_code == 200, answer.text
+
+    def counted(api: ApiProc) -> bool:  # the ledger flushes to Redis every second
+        families = _families(api.client.get("/metrics").text)
+        return bool(families.get("ember_cost_successes", ("", []))[1])
+
     for api in (deployed.a, deployed.b):
+        services.wait_until(lambda: counted(api), 30, f"{api.name}'s successes in the ledger")  # noqa: B023
         text = api.client.get("/metrics").text
         assert lint(text) == []
         assert undocumented(text) == []  # docs/reference/metrics.md describes every one
