@@ -745,13 +745,22 @@ class PoolsController:
     # --- autoscaling --------------------------------------------------------------------
 
     def record_demand(
-        self, key: tuple[int, str], version: str, units: float, admitted: bool
+        self,
+        key: tuple[int, str],
+        version: str,
+        units: float,
+        admitted: bool,
+        *,
+        arrived: bool = True,
     ) -> None:
-        """The gateway reports every arrival (admitted or shed) in model units."""
+        """The gateway reports every arrival (admitted or shed) in model units, once:
+        ``arrived=False`` for the admission of a request whose arrival it reported
+        already (one that waited for a replica)."""
         arrived_admitted = self.demand.setdefault((key, version), [0.0, 0.0])
-        arrived_admitted[0] += units
-        if self.warm_tier is not None:
-            self.warm_tier.demanded(key, version)
+        if arrived:
+            arrived_admitted[0] += units
+            if self.warm_tier is not None:
+                self.warm_tier.demanded(key, version)
         if admitted:
             arrived_admitted[1] += units
 

@@ -420,16 +420,18 @@ class Gateway:
         units = cost.cost(1) * len(instances)
         metrics = self.controller.metrics
         routes = self.controller.routes(key, chosen)
+        waited = False  # its arrival reported already (while it waited for a replica)
         if not routes and admit and not self._has_ladder(view):
             with tracing.span("await replica"):
-                routes = await self._await_replica(key, chosen, units, deadline)
+                routes, waited = await self._await_replica(key, chosen, units, deadline)
         if not routes:
             raise NotReady(
                 f"version {chosen!r} of {view.name!r} has no ready replica", version=chosen
             )
         if admit:
             with tracing.span("admission"):
-                self.admit(view, tenant, chosen, routes, units, priority, timeout_s)
+                self.admit(view, tenant, chosen, routes, units, priority, timeout_s,
+                           arrived=not waited)  # fmt: skip
         self.budget.deposit()
         attempts = 0
         tried: set[str] = set()
@@ -527,9 +529,12 @@ class Gateway:
         units: float,
         priority: Priority,
         timeout_s: float,
+        *,
+        arrived: bool = True,
     ) -> None:
         """Admission of one request of ``units`` to ``version`` (tenant budget, the class's
-        share of the replicas' queue, predicted wait); the demand is reported either way."""
+        share of the replicas' queue, predicted wait); the demand is reported either way
+        (its arrival only where not reported already: ``arrived``)."""
         key = (view.tenant_id, view.name)
         cost = view.cost(version)
         capacity = len(routes) * view.policy.max_batch_size * cost.cost(1)
@@ -549,9 +554,9 @@ class Gateway:
             )
         except BackPressure:
             self.controller.metrics.request(view, version, "shed")
-            self.controller.record_demand(key, version, units, admitted=False)
+            self.controller.record_demand(key, version, units, admitted=False, arrived=arrived)
             raise
-        self.controller.record_demand(key, version, units, admitted=True)
+        self.controller.record_demand(key, version, units, admitted=True, arrived=arrived)
 
     def batch_window(self, view: DeploymentView, version: str) -> int:
         """Instances the batch class may have in flight to ``version`` at once: its share
@@ -644,20 +649,21 @@ class Gateway:
 
     async def _await_replica(
         self, key: tuple[int, str], version: str, units: float, deadline: float
-    ) -> list[Route]:
+    ) -> tuple[list[Route], bool]:
         """No hot replica yet, but one is starting or can be promoted: wait for it within
         the deadline (reporting the demand, so a warm replica is promoted) instead of
         refusing a request that a replica would answer in a moment. A deployment with a
-        degradation ladder degrades at once instead."""
+        degradation ladder degrades at once instead. Returns the routes and whether it
+        reported the request's arrival."""
         if not self.controller.coming(key, version):
-            return []
+            return [], False
         self.controller.record_demand(key, version, units, admitted=False)
         while time.monotonic() < deadline and self.controller.coming(key, version):
             await asyncio.sleep(WAIT_POLL_S)
             routes = self.controller.routes(key, version)
             if routes:
-                return routes
-        return self.controller.routes(key, version)
+                return routes, True
+        return self.controller.routes(key, version), True
 
     async def _send(
         self,
