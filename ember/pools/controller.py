@@ -663,6 +663,7 @@ class PoolsController:
                 for r in mine
                 if r.state == "promoting" or (r.state == "starting" and r.then_tier is None)
             ),
+            promoting=sum(1 for r in mine if r.state == "promoting"),
             starting_warm=sum(1 for r in mine if r.state == "starting" and r.then_tier == "warm"),
             demoting=sum(1 for r in mine if r.state == "demoting"),
         )
@@ -734,6 +735,8 @@ class PoolsController:
             key=lambda r: (r.then_tier != "warm" or r.state != "starting", -r.started_at),
         )
         stops += on_the_way[: actions.stop_starting]
+        starts = [r for r in mine if r.state == "starting" and r.then_tier is None]
+        stops += sorted(starts, key=lambda r: -r.started_at)[: actions.cancel_hot]
         for replica in stops:
             self._stop(replica)
 

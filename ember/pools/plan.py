@@ -15,10 +15,10 @@ The rules, in the order they apply:
    ones first (one host-to-device copy), then keep warm spares still loading hot, then
    start new replicas (the backend takes a standby process when one is free, else a cold
    start). Nothing starts for a version that crash-loops.
-2. **Hot over** (more *ready* hot replicas than the target; starts on their way are
-   counted once they are ready, not cancelled: demand that asked for them may be back):
-   demote to warm while the warm tier (ready and being demoted) is below its target,
-   stop the rest.
+2. **Hot over**: starts on their way beyond the target are cancelled first (the newest;
+   a promotion from warm is not); then ready hot replicas over the target are demoted to
+   warm while the warm tier (ready and being demoted) is below its target, and the rest
+   stopped.
 3. **Warm short**, with ``fill_warm``: start warm spares (loaded, then demoted) for what
    rules 1 and 2 leave missing.
 4. **Warm over** (counting spares still loading): cancel spares still loading first,
@@ -46,6 +46,8 @@ class Inventory:
     """Ready and warm (weights in host memory)."""
     starting_hot: int = 0
     """On the way to hot: starting (cold or from a standby process) or promoting."""
+    promoting: int = 0
+    """Of ``starting_hot``, those being promoted from warm (one copy; not cancelled)."""
     starting_warm: int = 0
     """Warm spares still loading (started to be demoted to warm once loaded)."""
     demoting: int = 0
@@ -73,6 +75,9 @@ class Actions:
     """Ready warm -> hot."""
     keep_hot: int = 0
     """Warm spares still loading that stay hot instead."""
+    cancel_hot: int = 0
+    """Starts on their way to hot that are stopped (the newest first): the target fell
+    below what is ready and coming."""
     demote: int = 0
     """Ready hot -> warm."""
     stop_hot: int = 0
@@ -142,8 +147,10 @@ def plan(
     start_warm = 0
     if fill_warm and not crash_looping:
         start_warm = max(0, target.warm - warm_total)
-    demote = stop_hot = cancel_warm = stop_warm = 0
+    demote = stop_hot = cancel_hot = cancel_warm = stop_warm = 0
     if may_retire:
+        coming = inv.starting_hot - inv.promoting
+        cancel_hot = min(coming, max(0, inv.hot + inv.starting_hot - target.hot))
         demote, stop_hot = to_warm, over_hot - to_warm
         cancel_warm = max(0, min(loading, warm_total - target.warm))
         stop_warm = max(0, min(warm_ready, warm_total - cancel_warm - target.warm))
@@ -152,6 +159,7 @@ def plan(
         start_warm=start_warm,
         promote=promote,
         keep_hot=keep_hot,
+        cancel_hot=cancel_hot,
         demote=demote,
         stop_hot=stop_hot,
         stop_warm=stop_warm,

@@ -21,8 +21,8 @@ The model (stated, because it is an approximation):
 - Tiers: the policy's counts are carried out by the pools controller's own rules
   (:mod:`ember.pools.plan`): a promotion comes from warm, then a warm spare still
   loading, then standby, then cold; a ready hot replica over the target is demoted while
-  warm is short, else stopped; nothing on its way is cancelled (it is stepped down once
-  ready, as live). Demotion is instant. Replicas cost ``hot`` while promoting.
+  warm is short, else stopped; a start on its way beyond the target is cancelled first
+  (a promotion from warm is not). Demotion is instant. Replicas cost ``hot`` while promoting.
 - Catalogues (many models): :func:`simulate_catalogue` replays every model together, in
   time order, against one :class:`SharedStandby` pool of generic processes (no weights), as
   the pools controller keeps it. A model's standby floor is a claim on that pool, not a
@@ -301,13 +301,14 @@ class _Pool:
             hot=self.hot,
             warm=self.warm,
             starting_hot=len(self.promoting),
+            promoting=sum(1 for e in self.promoting if e[1] == "warm"),
             starting_warm=sum(1 for e in self.creating if e[1] == "warm"),
         )
 
     def apply(self, want: TierCounts, now: float, cfg: SimConfig) -> tuple[Target, Actions]:
         """Carry out the policy's tier counts as the pools controller does: the same
         :func:`~ember.pools.plan.hot_target` and :func:`~ember.pools.plan.plan`, acted on
-        this model of time (demotion instant, nothing on its way cancelled)."""
+        this model of time (demotion instant)."""
         p = self.promo
         hot = hot_target(
             want.hot, floor=cfg.hot_floor, weight=100, production=True, woken=False,
@@ -335,6 +336,12 @@ class _Pool:
                 heapq.heappush(self.creating, (ready_at, "warm", "standby"))
             else:
                 heapq.heappush(self.creating, (now + p.cold_s, "warm", "cold"))
+        for _ in range(acts.cancel_hot):  # the start that would be ready last
+            start = max(e for e in self.promoting if e[1] != "warm")
+            self.promoting.remove(start)
+            heapq.heapify(self.promoting)
+            if start[1] == "standby" and self.shared is None:
+                self.standby += 1
         for _ in range(acts.stop_starting):  # the warm spare that would be ready last
             last = max(e for e in self.creating if e[1] == "warm")
             self.creating.remove(last)

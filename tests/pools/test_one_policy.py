@@ -38,7 +38,8 @@ def _hold(ctl: PoolsController, inv: Inventory, ids: itertools.count[int]) -> No
 
     add(inv.hot, "ready", "hot")
     add(inv.warm, "ready", "warm")
-    add(inv.starting_hot, "starting", "hot")
+    add(inv.starting_hot - inv.promoting, "starting", "hot")
+    add(inv.promoting, "promoting", "warm")
     add(inv.starting_warm, "starting", "hot", then_tier="warm")
     add(inv.demoting, "demoting", "hot")
 
@@ -48,7 +49,8 @@ def _after(inv: Inventory, a: Actions) -> Inventory:
     return Inventory(
         hot=inv.hot - a.demote - a.stop_hot,
         warm=inv.warm - a.promote - a.stop_warm,
-        starting_hot=inv.starting_hot + a.promote + a.keep_hot + a.start_hot,
+        starting_hot=inv.starting_hot + a.promote + a.keep_hot + a.start_hot - a.cancel_hot,
+        promoting=inv.promoting + a.promote,
         starting_warm=inv.starting_warm - a.keep_hot + a.start_warm - a.stop_starting,
         demoting=inv.demoting + a.demote,
     )
@@ -92,13 +94,13 @@ async def _replay(fill_warm: bool) -> None:
         inv, target, actions = ctl.plans(KEY)["1"]
         assert (inv, target, actions) == (step.inventory, step.target, step.actions), step.at
         ctl._carry_out()
-        assert ctl.inventory(KEY, "1") == _after(inv, actions), step.at
+        assert ctl.inventory(KEY, "1") == _after(inv, actions), (step.at, inv, actions)
         await asyncio.gather(*ctl._assigning)
         for name in Actions.__dataclass_fields__:
             seen[name] = seen.get(name, 0) + getattr(actions, name)
     await ctl._http.aclose()
     # The trace made it do everything it can do, not only idle at the floor.
-    wanted = {"start_hot", "promote", "demote", "stop_hot"} | (
+    wanted = {"start_hot", "promote", "demote", "stop_hot", "cancel_hot"} | (
         {"start_warm"} if fill_warm else set()
     )
     assert all(seen[name] > 0 for name in wanted), seen
@@ -126,11 +128,10 @@ def test_hot_over_fills_warm_then_stops_and_waits_for_a_ready_rollout() -> None:
     a = plan(inv, Target(hot=1, warm=2), fill_warm=False, may_retire=True)
     assert (a.demote, a.stop_hot, a.stop_warm) == (1, 2, 0)
     assert plan(inv, Target(hot=1, warm=2), fill_warm=False, may_retire=False) == Actions()
-    # Starts on their way are not cancelled: counted once ready.
-    assert (
-        plan(Inventory(hot=1, starting_hot=3), Target(1), fill_warm=False, may_retire=True)
-        == Actions()
-    )
+    # Starts on their way beyond the target are cancelled first; promotions are not.
+    coming = Inventory(hot=1, starting_hot=3, promoting=1)
+    assert plan(coming, Target(2), fill_warm=False, may_retire=True) == Actions(cancel_hot=2)
+    assert plan(coming, Target(2), fill_warm=False, may_retire=False) == Actions()
 
 
 def test_warm_over_cancels_loading_spares_before_ready_ones() -> None:
