@@ -673,8 +673,8 @@ class PoolsController:
         view = self.deployments.get(key)
         wanted = self.desired(view) if view is not None else {}
         versions = set(wanted) | {r.version for r in self.replicas.values() if r.key == key}
-        ready = {v: self.inventory(key, v).hot for v in wanted}
-        may_retire = all_ready(wanted, ready)
+        inventories = {v: self.inventory(key, v) for v in versions}
+        may_retire = all_ready(wanted, {v: inventories[v].hot for v in wanted})
         out: dict[str, tuple[Inventory, Target, Actions]] = {}
         for version in sorted(versions):
             if version in wanted:
@@ -684,7 +684,7 @@ class PoolsController:
                 target = Target(wanted[version], warm)
             else:
                 target = Target(0, serving=False)
-            inv = self.inventory(key, version)
+            inv = inventories[version]
             actions = plan(
                 inv,
                 target,

@@ -351,24 +351,26 @@ class _Pool:
         self.hot -= acts.demote + acts.stop_hot
         self.warm += acts.demote - acts.stop_warm
         if self.shared is None:
-            self._fill("standby", want.standby, now)
+            self._fill_standby(want.standby, now)
         else:  # claims on the shared pool: no process of its own to start or stop
             self.standby = want.standby
         return target, acts
 
-    def _fill(self, tier: str, want: int, now: float) -> None:
+    def _fill_standby(self, want: int, now: float) -> None:
         """The model's own standby processes (no catalogue): started or stopped to
         ``want`` (a standby start is a cold start less the weights' load)."""
         p = self.promo
-        pending = sum(1 for e in self.creating if e[1] == tier)
+        pending = sum(1 for e in self.creating if e[1] == "standby")
         have = self.standby + pending
         for _ in range(want - have):
-            heapq.heappush(self.creating, (now + max(p.cold_s - p.standby_s, 0.0), tier, "cold"))
+            ready = now + max(p.cold_s - p.standby_s, 0.0)
+            heapq.heappush(self.creating, (ready, "standby", "cold"))
         for _ in range(have - want):
-            if any(e[1] == tier for e in self.creating):
-                last = max(e for e in self.creating if e[1] == tier)
+            if pending:
+                last = max(e for e in self.creating if e[1] == "standby")
                 self.creating.remove(last)
                 heapq.heapify(self.creating)
+                pending -= 1
             else:
                 self.standby -= 1
 
