@@ -181,3 +181,20 @@ def test_learned_promotion_times_survive_a_restart(store: ForecastStore) -> None
     assert store.load_promotion() == {"cold": [3.0]}  # only what a promotion can take
     store.redis.hset(store.key, store.PROMOTION_FIELD, "not json")
     assert store.load_promotion() == {}
+
+
+def test_a_compressed_day_shrinks_the_bins_and_memories_with_floors() -> None:
+    from ember.config import Settings
+    from ember.pools.controller import COMPRESSED_WINDOWS, autoscale_knobs
+
+    assert "profile_bin_s" not in autoscale_knobs(Settings())  # a real day: the defaults
+    knobs = autoscale_knobs(Settings(scale_profile_period_s=60.0))
+    cfg, defaults = EmberConfig(**knobs), EmberConfig()
+    assert cfg.profile_periods_s == (60.0, 420.0)
+    assert cfg.profile_bin_s == 2.0  # 60/144 s would be finer than two ticks
+    for name in COMPRESSED_WINDOWS:  # 1/1440 of a day's: five ticks at least, never longer
+        assert min(getattr(defaults, name), 5.0) <= getattr(cfg, name) <= getattr(defaults, name)
+    assert cfg.burst_tau_s == defaults.burst_tau_s  # noise, not the day
+    hour = EmberConfig(**autoscale_knobs(Settings(scale_profile_period_s=3600.0)))
+    assert hour.stabilization_s == 5.0 and hour.level_tau_s == 7.5  # 180 s / 24
+    assert EmberState().forecaster.update(1.0, 1.0, 0.0, cfg).activity.__len__() == 30
