@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing
+import os
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import boto3
 import pytest
 
 from ember.config import Settings
-from ember.engine.spec import VersionSpec
+from ember.domain.spec import VersionSpec
 from ember.errors import ArtifactError, LoaderError
 from ember.loader.cache import EntryPinned, WeightCache
 from ember.loader.load import WeightLoader
@@ -113,8 +114,10 @@ def test_a_flipped_bit_in_one_cached_shard_refetches_that_shard_alone(
     victim = [f for f in spec.files or () if f.path.endswith(".safetensors")][1]
     cached = next(e for e in loader.cache.ls() if e.key.sha256 == victim.sha256)
     weights = cached.path / "weights.safetensors"
-    before = {e.key.sha256: (e.path / "weights.safetensors").stat().st_ino
-              for e in loader.cache.ls()}  # fmt: skip
+    # Hold each cached file open: a replaced file's inode stays allocated, so a new file
+    # cannot reuse its number and look unchanged.
+    held = {e.key.sha256: (e.path / "weights.safetensors").open("rb")
+            for e in loader.cache.ls()}  # fmt: skip
     data = bytearray(weights.read_bytes())
     data[-3] ^= 0x10
     weights.write_bytes(bytes(data))
@@ -124,7 +127,9 @@ def test_a_flipped_bit_in_one_cached_shard_refetches_that_shard_alone(
     assert_same(again.tensors, sd)
     after = {e.key.sha256: (e.path / "weights.safetensors").stat().st_ino
              for e in loader.cache.ls()}  # fmt: skip
-    changed = {sha for sha in before if before[sha] != after[sha]}
+    changed = {sha for sha, f in held.items() if os.fstat(f.fileno()).st_ino != after[sha]}
+    for f in held.values():
+        f.close()
     assert changed == {victim.sha256}
 
 
