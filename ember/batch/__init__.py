@@ -7,4 +7,7 @@
   listed and cut into shards.
 - ``shards``: what a worker does with one shard message (claim, score, write, commit).
 - ``beat``: ``ember beat``, which fires due schedules.
+
+The machinery it shares with jobs (lease, failure classes, data-plane client, the Celery
+app, version resolution) is ``ember.work``; this package never imports ``ember.jobs``.
 """

@@ -155,9 +155,9 @@ def run_beat(settings: Settings, parent_pid: int | None = None) -> None:
 
     import redis as redis_lib
 
-    from ember.jobs.queue import broker_url, make_celery
-    from ember.jobs.worker import wait_for_schema
     from ember.registry.db import make_engine
+    from ember.work.process import wait_for_schema
+    from ember.work.queue import broker_url, make_celery
 
     engine = make_engine(settings.registry_url)
     wait_for_schema(engine)
@@ -165,9 +165,9 @@ def run_beat(settings: Settings, parent_pid: int | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: beat.stop.set())
     signal.signal(signal.SIGINT, lambda *_: beat.stop.set())
     if parent_pid is not None:
-        from ember.jobs.worker import _watch_parent
+        from ember.work.process import watch_parent
 
-        threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+        threading.Thread(target=watch_parent, args=(parent_pid,), daemon=True).start()
     beat.run_forever(redis_lib.Redis.from_url(broker_url(settings)))
 
 
@@ -180,7 +180,7 @@ def supervise(settings: Settings, redis_url: str) -> Any:
     import subprocess
     import sys
 
-    from ember.jobs.worker import Supervisor
+    from ember.work.process import Supervisor
 
     class BeatSupervisor(Supervisor):
         def _spawn(self) -> None:

@@ -1,12 +1,6 @@
-"""What a worker's shards share: a lean HTTP client to the gateway, the direct lanes to
-replicas, and a cache of the input files they read.
-
-**GatewayClient**: keep-alive HTTP/1.1 over ``http.client``, one connection per thread.
-A worker sends one request per ``max_batch_size`` rows, so the client's CPU per request
-is spent thousands of times a run on the same cores as the model; httpx costs several
-times what ``http.client`` does per request (measured: ~0.9 ms vs ~0.25 ms for a 64 KiB
-body). A connection the gateway closed while idle (its keep-alive timer won the race)
-is retried once on a fresh one; predict is idempotent.
+"""What a worker's shards share: the direct lanes to replicas, and a cache of the input
+files they read. (Their HTTP client, to the gateway and to replicas alike, is
+``ember.work.client.GatewayClient``, the one jobs use too.)
 
 **Lane**: one version's direct route. The gateway's ``:batch-lane`` names the version's
 ready replicas and the batch class's window on each; the worker posts its batches to
@@ -32,12 +26,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 from ember.batch.datasets import Memo
 from ember.loader.stores import ObjectInfo
 from ember.logs import get_logger
 from ember.pools.backends.base import replica_auth
+from ember.work.client import GatewayClient
 
 log = get_logger(__name__)
 
@@ -45,81 +39,6 @@ CACHE_BYTES = 512 * 1024**2
 """Input bytes a worker keeps for its shards (a file larger than this is not kept)."""
 IDLE_S = 30.0
 """A file no shard of this worker asked for in this long is dropped."""
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    status_code: int
-    headers: dict[str, str]
-    """Lower-case names."""
-    content: bytes
-
-    @property
-    def text(self) -> str:
-        return self.content.decode("utf-8", "replace")
-
-
-class GatewayClient:
-    def __init__(self, base_url: str, headers: dict[str, str], timeout_s: float = 130.0) -> None:
-        parts = urlsplit(base_url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"the gateway URL must be http(s)://host[:port], got {base_url!r}")
-        self.https = parts.scheme == "https"
-        self.host = parts.hostname
-        self.port = parts.port or (443 if self.https else 80)
-        self.prefix = parts.path.rstrip("/")
-        self.headers = headers
-        self.timeout_s = timeout_s
-        self.local = threading.local()
-        self.lock = threading.Lock()
-        self.open: set[http.client.HTTPConnection] = set()
-
-    def post(self, path: str, body: bytes, headers: dict[str, str]) -> Reply:
-        """POST and read the whole answer; ``OSError`` or ``http.client.HTTPException``
-        when the gateway cannot be reached or drops the connection."""
-        for attempt in (0, 1):
-            conn: http.client.HTTPConnection | None = getattr(self.local, "conn", None)
-            reused = conn is not None
-            if conn is None:
-                conn = self._connect()
-            try:
-                conn.request("POST", self.prefix + path, body=body, headers=self.headers | headers)
-                response = conn.getresponse()
-                content = response.read()
-            except TimeoutError:
-                self._drop(conn)
-                raise
-            except (OSError, http.client.HTTPException):
-                self._drop(conn)
-                if reused and attempt == 0:
-                    continue
-                raise
-            if response.will_close:
-                self._drop(conn)
-            else:
-                self.local.conn = conn
-            names = {k.lower(): v for k, v in response.getheaders()}
-            return Reply(response.status, names, content)
-        raise AssertionError("unreachable")
-
-    def _connect(self) -> http.client.HTTPConnection:
-        kind = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
-        conn = kind(self.host, self.port, timeout=self.timeout_s)
-        with self.lock:
-            self.open.add(conn)
-        return conn
-
-    def _drop(self, conn: http.client.HTTPConnection) -> None:
-        conn.close()
-        self.local.conn = None
-        with self.lock:
-            self.open.discard(conn)
-
-    def close(self) -> None:
-        with self.lock:
-            conns, self.open = self.open, set()
-        for conn in conns:
-            conn.close()
 
 
 @dataclass(eq=False)

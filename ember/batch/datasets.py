@@ -41,14 +41,12 @@ from ember.loader.stores import (
     shown,
     under_tenant_prefix,
 )
+from ember.work.failures import Rejected
+from ember.work.instances import check_instances
 
 GLOB_CHARS = "*["
 FORMATS = ("jsonl", "csv", "parquet")
 MAX_FILE_BYTES = 2 * 1024**3
-
-
-class BadRow(Exception):
-    """A row that cannot be scored; its reason goes to the rejects file."""
 
 
 def detect_format(uri: str, wanted: str) -> str:
@@ -158,8 +156,8 @@ def parse_rows(
     start: int = 0,
     end: int | None = None,
     first_line: int = 1,
-) -> list[dict[str, Any] | BadRow]:
-    """Rows ``[start, end)`` of a file: a dict, or a ``BadRow`` with why it is not one.
+) -> list[dict[str, Any] | Rejected]:
+    """Rows ``[start, end)`` of a file: a dict, or a ``Rejected`` with why it is not one.
     For text formats the rows outside the range are counted, not parsed (``end=0``
     counts all: the list then holds placeholders)."""
     if fmt == "parquet":
@@ -175,8 +173,8 @@ def parse_rows(
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InvalidInput(f"{uri} is not UTF-8 text: {exc}") from exc
-    rows: list[dict[str, Any] | BadRow] = []
-    skip = BadRow("outside the range")
+    rows: list[dict[str, Any] | Rejected] = []
+    skip = Rejected("outside the range")
     if fmt == "jsonl":
         index = 0
         for n, line in enumerate(text.splitlines()):
@@ -189,17 +187,17 @@ def parse_rows(
             try:
                 doc = json.loads(line)
             except ValueError as exc:
-                rows.append(BadRow(f"line {n + first_line} is not JSON: {exc}"))
+                rows.append(Rejected(f"line {n + first_line} is not JSON: {exc}"))
                 continue
             if not isinstance(doc, dict):
-                doc = BadRow(f"line {n + first_line} is not an object")
+                doc = Rejected(f"line {n + first_line} is not an object")
             rows.append(doc)
         return rows if end == 0 else rows[start:end]
     try:
         reader = csv.DictReader(io.StringIO(text))
         for record in reader:
             if None in record:
-                rows.append(BadRow(f"line {reader.line_num} has more fields than the header"))
+                rows.append(Rejected(f"line {reader.line_num} has more fields than the header"))
             else:
                 rows.append(dict(record))
     except csv.Error as exc:
@@ -209,13 +207,13 @@ def parse_rows(
 
 def instance_of(row: dict[str, Any], column: str, fmt: str) -> Any:
     if column not in row or row[column] is None:
-        raise BadRow(f"no {column!r} column")
+        raise Rejected(f"no {column!r} column")
     value = row[column]
     if fmt == "csv" and isinstance(value, str):
         try:
             return json.loads(value)
         except ValueError as exc:
-            raise BadRow(f"{column!r} is not a JSON value: {exc}") from exc
+            raise Rejected(f"{column!r} is not a JSON value: {exc}") from exc
     return value
 
 
@@ -296,7 +294,7 @@ def read_shard(
     Columnar where it can be: Parquet, and JSONL through pyarrow's JSON reader; the
     instances of a fixed-shape schema become one array with one shape check for the
     whole shard, and only the rows that fail it are looked at one by one (their reasons
-    are those of ``ember.jobs.results.check_instances``). Anything irregular — a line
+    are those of ``ember.work.instances.check_instances``). Anything irregular — a line
     that is not JSON, a column whose type varies, nulls in a key column — takes the
     row-by-row path, which gives every row its own reason."""
     table: Any = None
@@ -314,7 +312,7 @@ def read_shard(
             return fast
     # Parquet rows are the table's; a JSONL row's missing key only its own line shows.
     if fmt == "parquet":
-        rows: list[dict[str, Any] | BadRow] = table.to_pylist()
+        rows: list[dict[str, Any] | Rejected] = table.to_pylist()
     else:
         rows = parse_rows(data, fmt, uri, start, end, first_line)
     return _from_rows(rows, start, key_columns, column, schema, fmt)
@@ -483,8 +481,6 @@ def _from_table(
     """The columnar path, or None where it cannot tell every row's fate by itself."""
     import pyarrow as pa
 
-    from ember.jobs import results
-
     tensor = tensor_schema(schema)
     names = table.column_names
     if tensor is None or column not in names or any(k not in names for k in key_columns):
@@ -510,7 +506,7 @@ def _from_table(
             rejects.append({"row": start + i, "reason": f"no {column!r} column"})
             continue
         try:
-            results.check_instances([instance], schema)
+            check_instances([instance], schema)
         except InvalidInput as exc:
             reason = exc.detail.replace("instances[0]", "the input")
             rejects.append({"row": start + i, "reason": reason})
@@ -575,7 +571,7 @@ def _numeric(kind: Any) -> bool:
 
 
 def _from_rows(
-    rows: list[dict[str, Any] | BadRow],
+    rows: list[dict[str, Any] | Rejected],
     start: int,
     key_columns: list[str],
     column: str,
@@ -586,21 +582,19 @@ def _from_rows(
     array where the schema has a shape and they all fit it."""
     import pyarrow as pa
 
-    from ember.jobs import results
-
     rejects: list[dict[str, Any]] = []
     numbers: list[int] = []
     keys: dict[str, list[Any]] = {k: [] for k in key_columns}
     instances: list[Any] = []
     for offset, row in enumerate(rows):
         try:
-            if isinstance(row, BadRow):
+            if isinstance(row, Rejected):
                 raise row
             missing = [k for k in key_columns if k not in row]
             if missing:
-                raise BadRow(f"missing key column(s) {missing}")
+                raise Rejected(f"missing key column(s) {missing}")
             instance = instance_of(row, column, fmt)
-        except BadRow as exc:
+        except Rejected as exc:
             rejects.append({"row": start + offset, "reason": str(exc)})
             continue
         numbers.append(start + offset)
@@ -613,7 +607,7 @@ def _from_rows(
         good: list[int] = []
         for i, instance in enumerate(instances):
             try:
-                results.check_instances([instance], schema)
+                check_instances([instance], schema)
             except InvalidInput as exc:
                 reason = exc.detail.replace("instances[0]", "the input")
                 rejects.append({"row": numbers[i], "reason": reason})

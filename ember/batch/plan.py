@@ -21,10 +21,11 @@ from ember.batch import datasets
 from ember.batch.schemas import BatchSpec, Progress, RunPublic, ShardError
 from ember.config import Settings
 from ember.errors import EmberError, InvalidInput, LoaderError
-from ember.jobs.submit import resolve
 from ember.logs import bound, get_logger
 from ember.registry import quotas
 from ember.registry.tables import BatchRun, BatchSchedule, BatchShard
+from ember.work.queue import QUEUE
+from ember.work.versions import resolve
 
 log = get_logger(__name__)
 SHARD_TASK = "ember.batch.shard"
@@ -205,8 +206,6 @@ def pump(engine: Engine, celery: Any, run_id: int) -> int:
 
 
 def publish(celery: Any, shard_id: int, countdown_s: float = 0.0) -> None:
-    from ember.jobs.queue import QUEUE
-
     try:
         celery.send_task(
             SHARD_TASK,

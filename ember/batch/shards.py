@@ -27,11 +27,9 @@ import http.client
 import itertools
 import json
 import random
-import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -42,7 +40,7 @@ from sqlmodel import Session, col, select
 
 from ember import tracing
 from ember.batch import datasets
-from ember.batch.client import GatewayClient, InputCache, Lane, Target
+from ember.batch.client import InputCache, Lane, Target
 from ember.batch.plan import FINISHED, SHARD_TASK, publish, pump, utcnow
 from ember.batch.schemas import BatchSpec
 from ember.config import Settings
@@ -55,64 +53,20 @@ from ember.errors import (
     ObjectChanged,
     StoreUnavailable,
 )
-from ember.jobs.runner import api_url, worker_id
 from ember.loader.stores import ObjectInfo, open_store
 from ember.logs import get_logger, model_context
 from ember.registry.schemas import PoolPolicy
 from ember.registry.tables import BatchRun, BatchShard, Deployment, Model, ModelVersion, Tenant
+from ember.work.client import GatewayClient, api_url, worker_id
+from ember.work.failures import PERMANENT_STATUS, Lost, Permanent, Transient
+from ember.work.lease import Heartbeat, Lease, fence, new_token, takeable
 
 log = get_logger(__name__)
-PERMANENT = {400, 404, 405, 409, 410, 413, 415, 422}
 MAX_WINDOW = 64
 """Requests of one version a worker keeps in flight at most (whatever the gateway says)."""
 WAIT_FOR_CAPACITY_S = 300.0
 """How long one batch call waits out 429 (shed for online traffic) and 503 (no ready
 replica) before the attempt is retried later."""
-
-
-class Retry(Exception):
-    """A transient failure: the shard is released and tried again."""
-
-
-class Fatal(Exception):
-    """The shard cannot succeed (too many rejects, the version is gone)."""
-
-
-class Lost(Exception):
-    """The lease was lost: another worker owns the shard now."""
-
-
-@dataclass
-class Lease:
-    engine: Engine
-    shard_id: int
-    token: str
-    lease_s: float
-    lost: threading.Event = field(default_factory=threading.Event)
-    done: threading.Event = field(default_factory=threading.Event)
-
-    def keep(self) -> None:
-        threading.Thread(target=self._renew, daemon=True, name="ember-batch-lease").start()
-
-    def _renew(self) -> None:
-        while not self.done.wait(self.lease_s / 3):
-            try:
-                with Session(self.engine) as session:
-                    result = session.execute(
-                        update(BatchShard)
-                        .where(
-                            col(BatchShard.id) == self.shard_id,
-                            col(BatchShard.lease) == self.token,
-                            col(BatchShard.status) == "running",
-                        )
-                        .values(lease_expires_at=utcnow() + timedelta(seconds=self.lease_s))
-                    )
-                    session.commit()
-                if getattr(result, "rowcount", 0) != 1:
-                    self.lost.set()
-                    return
-            except Exception as exc:  # the registry is down: keep trying
-                log.warning("batch lease renewal failed", shard=self.shard_id, error=str(exc))
 
 
 class ShardRunner:
@@ -124,6 +78,7 @@ class ShardRunner:
         self.http = GatewayClient(api_url(settings), {"Authorization": f"Bearer {key}"})
         self.inputs = InputCache()
         self.worker = worker_id()
+        self.leases = Heartbeat(engine, BatchShard, settings.batch_lease_s, "ember-batch-lease")
         self.lock = threading.Lock()
         self.windows: dict[tuple[str, str], Window] = {}
         self.lanes: dict[tuple[str, str, str], Lane] = {}
@@ -143,7 +98,7 @@ class ShardRunner:
             run = session.get(BatchRun, shard.run_id) if shard else None
         if shard is None or run is None:
             return "skipped"
-        lease.keep()
+        self.leases.keep(lease)
         try:
             attributes = tracing.model_attributes(run.model, run.version)
             with (
@@ -152,13 +107,13 @@ class ShardRunner:
             ):
                 return self._attempt(run, shard, lease)
         finally:
-            lease.done.set()
+            self.leases.release(lease.row_id)
             with tracing.attached(trace):
                 pump(self.engine, self.celery, run.id or 0)
 
     def claim(self, shard_id: int) -> Lease | None:
         s = self.settings
-        token = secrets.token_hex(16)
+        token = new_token()
         now = utcnow()
         with Session(self.engine) as session:
             shard = session.get(BatchShard, shard_id)
@@ -169,16 +124,7 @@ class ShardRunner:
                 return None
             result = session.execute(
                 update(BatchShard)
-                .where(
-                    col(BatchShard.id) == shard_id,
-                    or_(
-                        col(BatchShard.status) == "queued",
-                        and_(
-                            col(BatchShard.status) == "running",
-                            col(BatchShard.lease_expires_at) < now,
-                        ),
-                    ),
-                )
+                .where(col(BatchShard.id) == shard_id, takeable(BatchShard, now))
                 .values(
                     status="running",
                     lease=token,
@@ -190,24 +136,24 @@ class ShardRunner:
             session.commit()
         if getattr(result, "rowcount", 0) != 1:
             return None
-        return Lease(self.engine, shard_id, token, s.batch_lease_s)
+        return Lease(shard_id, token)
 
     def _attempt(self, run: BatchRun, shard: BatchShard, lease: Lease) -> str:
         try:
             if run.deadline_at is not None and _aware(run.deadline_at) < utcnow():
                 self._fail_run(run, "the run passed its deadline")
-                raise Fatal("the run passed its deadline")
+                raise Permanent("the run passed its deadline")
             scored, rejects = self._score(run, shard, lease)
             return self._commit(run, shard, lease, scored, rejects)
         except Lost:
             log.info("batch shard attempt stopped: lease lost (taken over)")
             return "lost"
-        except Fatal as exc:
+        except Permanent as exc:
             self._settle(shard, lease, "failed", str(exc))
             self._fail_run(run, f"shard {shard.number} failed: {exc}")
             log.warning("batch shard failed", error=str(exc))
             return "failed"
-        except Exception as exc:  # Retry, an outage or a bug: try again, never lose rows
+        except Exception as exc:  # Transient, an outage or a bug: try again, never lose rows
             error = f"{type(exc).__name__}: {exc}"[:1000]
             if shard.attempts >= self.settings.batch_max_attempts:
                 gave_up = f"gave up after {shard.attempts} attempts: {error}"
@@ -246,24 +192,24 @@ class ShardRunner:
                 else None
             )
         if tenant is None or version is None:
-            raise Fatal(f"model {run.model!r} version {run.version!r} no longer exists")
+            raise Permanent(f"model {run.model!r} version {run.version!r} no longer exists")
         batch = PoolPolicy.model_validate(deployment.policy).max_batch_size if deployment else 32
         fmt = datasets.detect_format(shard.input_uri, spec.format)
         try:
             rows = self._read(shard, fmt, spec, version.input_schema)
         except StoreUnavailable as exc:
-            raise Retry(exc.detail) from exc
+            raise Transient(exc.detail) from exc
         except ObjectChanged as exc:
-            raise Fatal(
+            raise Permanent(
                 f"input {shard.input_uri} changed since the run was planned: {exc.detail}"
             ) from exc
         except (LoaderError, InvalidInput) as exc:
-            raise Fatal(f"input {shard.input_uri}: {exc.detail}") from exc
+            raise Permanent(f"input {shard.input_uri}: {exc.detail}") from exc
         rejects = [{"input_uri": shard.input_uri, **r} for r in rows.rejects]
         limit = spec.max_error_ratio * rows.total
         if rejects and len(rejects) > limit:
             self._write_rejects(run, shard, rejects)
-            raise Fatal(
+            raise Permanent(
                 f"{len(rejects)} of {rows.total} rows rejected (max_error_ratio "
                 f"{spec.max_error_ratio:g}); first: row {rejects[0]['row']}: "
                 f"{rejects[0]['reason']}"
@@ -420,7 +366,7 @@ class ShardRunner:
                 try:
                     response = self.http.post(path, body, headers)
                 except (OSError, http.client.HTTPException) as exc:
-                    raise Retry(f"gateway unreachable: {type(exc).__name__}: {exc}") from exc
+                    raise Transient(f"gateway unreachable: {type(exc).__name__}: {exc}") from exc
                 if response.status_code == 200:
                     window.resize(response.headers.get("x-ember-batch-window"), batch)
             if response.status_code == 200:
@@ -439,9 +385,9 @@ class ShardRunner:
                 continue
             detail = response.text[:500]
             source = "a replica" if target is not None else "the gateway"
-            if response.status_code in PERMANENT:
-                raise Fatal(f"{response.status_code} from {source}: {detail}")
-            raise Retry(f"{response.status_code} from {source}: {detail}")
+            if response.status_code in PERMANENT_STATUS:
+                raise Permanent(f"{response.status_code} from {source}: {detail}")
+            raise Transient(f"{response.status_code} from {source}: {detail}")
 
     def _direct(
         self, lane: Lane, target: Target, body: bytes, headers: dict[str, str], rows: int
@@ -510,11 +456,7 @@ class ShardRunner:
         with Session(self.engine) as session:
             result = session.execute(
                 update(BatchShard)
-                .where(
-                    col(BatchShard.id) == shard.id,
-                    col(BatchShard.lease) == lease.token,
-                    col(BatchShard.status) == "running",
-                )
+                .where(fence(BatchShard, shard.id or 0, lease.token))
                 .values(
                     status="committed",
                     rows_scored=table.num_rows,
@@ -589,6 +531,7 @@ class ShardRunner:
 
     def close(self) -> None:
         self.calls.shutdown(wait=False, cancel_futures=True)
+        self.leases.stop.set()
         self.http.close()
         with self.lock:
             lanes = list(self.lanes.values())
@@ -602,26 +545,26 @@ DIRECT_HEADERS = {"Accept": MEDIA_TYPE}
 
 def _predictions(run: BatchRun, response: Any, rows: int) -> Any:
     """The predictions of a 200 answer (a tensor answer as an array), checked: the run's
-    version, one per row; ``Retry`` otherwise."""
+    version, one per row; ``Transient`` otherwise."""
     ctype = response.headers.get("content-type")
     if is_tensor(ctype):
         answered = response.headers.get("x-ember-version")
         if answered != run.version:
-            raise Retry(f"a replica answered from version {answered!r}")
+            raise Transient(f"a replica answered from version {answered!r}")
         try:
             array = parse_tensor(str(ctype), response.content, max(1, rows)).array()
         except EmberError as exc:
-            raise Retry(f"an unreadable tensor answer: {exc.detail}") from exc
+            raise Transient(f"an unreadable tensor answer: {exc.detail}") from exc
         if array.shape[0] != rows:
-            raise Retry("a replica returned the wrong number of predictions")
+            raise Transient("a replica returned the wrong number of predictions")
         return array
     doc = pydantic_core.from_json(response.content)  # ~6x json.loads here
     if not isinstance(doc, dict) or str(doc.get("version")) != run.version:
         version = doc.get("version") if isinstance(doc, dict) else None
-        raise Retry(f"the answer came from version {version!r}")
+        raise Transient(f"the answer came from version {version!r}")
     predictions = doc.get("predictions")
     if not isinstance(predictions, list) or len(predictions) != rows:
-        raise Retry("the answer has the wrong number of predictions")
+        raise Transient("the answer has the wrong number of predictions")
     return predictions
 
 

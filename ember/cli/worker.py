@@ -37,8 +37,9 @@ def worker(
         alive = worker_alive()
         err.print("a worker of this host is alive" if alive else "no live worker on this host")
         raise typer.Exit(0 if alive else 1)
+    from ember.batch.shards import install as install_batch
     from ember.jobs.worker import run_worker
 
     settings = load_settings()
     with friendly_errors():
-        run_worker(settings, concurrency, parent_pid)
+        run_worker(settings, concurrency, parent_pid, task_sets=(install_batch,))

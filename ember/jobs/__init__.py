@@ -6,8 +6,10 @@ UPDATE that sets a fresh lease token, renews the lease while it runs, calls the
 gateway's data plane over HTTP at the ``async`` priority (never the router directly),
 and writes the result with an UPDATE fenced on its token — so a redelivered message, a
 worker that was presumed dead, or a cancelled job can never produce a second result.
+The machinery it shares with batch runs (lease, failure classes, data-plane client, the
+Celery app) is ``ember.work``; this package never imports ``ember.batch``.
 
-    queue.py      Celery app (Redis broker), task names, publishing
+    queue.py      task names, publishing (the Celery app is ``ember.work.queue``)
     records.py    every state change of a job, as fenced conditional UPDATEs
     submit.py     what the API does: validate, resolve the version, idempotency, quota
     schemas.py    the API's wire schemas and a job's public document

@@ -1,4 +1,4 @@
-"""The Celery app on the Redis broker, and how jobs are published to it.
+"""How jobs are published to the Celery queue (``ember.work.queue``).
 
 Messages carry only a job id; everything else is read from the registry when the job
 runs, so a duplicate or stale message is harmless (the claim refuses it). Tasks are
@@ -14,67 +14,20 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
 
 from ember import tracing
 from ember.config import Settings
 from ember.logs import get_logger
+from ember.work.queue import QUEUE, make_celery
 
 log = get_logger(__name__)
 
-QUEUE = "ember.jobs"
 RUN_TASK = "ember.jobs.run"
 WEBHOOK_TASK = "ember.jobs.webhook"
 EPOCH_KEY = "ember:jobs:epoch"
 """Set by the sweeper; its absence means Redis lost its data (restart without
 persistence, failover, flush): every queued job is then published again."""
 SWEEP_LOCK = "ember:jobs:sweep-lock"
-
-
-def broker_url(settings: Settings) -> str:
-    """``EMBER_REDIS_URL``, else the data directory's local Redis that ``ember up``
-    starts (its password and port, from the data directory)."""
-    from ember.local import local_url
-
-    return local_url(settings)
-
-
-def make_celery(settings: Settings) -> Any:
-    """A Celery app for ``settings`` (no connection is made until first use)."""
-    from celery import Celery
-
-    app = Celery("ember", set_as_current=False)
-    app.conf.update(
-        broker_url=broker_url(settings),
-        broker_connection_retry_on_startup=True,
-        broker_connection_timeout=4,
-        broker_transport_options={
-            "visibility_timeout": settings.jobs_visibility_timeout_s,
-            "priority_steps": list(range(10)),
-            "sep": ":",
-            "queue_order_strategy": "priority",
-            "socket_connect_timeout": 4,
-            "socket_timeout": 30,
-            "health_check_interval": 10,
-            "unacked_restore_interval": 10,
-        },
-        task_default_queue=QUEUE,
-        task_default_priority=4,
-        task_acks_late=True,
-        task_reject_on_worker_lost=True,
-        task_ignore_result=True,
-        task_serializer="json",
-        accept_content=["json"],
-        result_backend=None,
-        worker_prefetch_multiplier=1,
-        worker_hijack_root_logger=False,
-        worker_redirect_stdouts=False,
-        worker_send_task_events=False,
-        worker_enable_remote_control=False,
-        worker_cancel_long_running_tasks_on_connection_loss=False,
-        enable_utc=True,
-    )
-    return app
 
 
 class Publisher:

@@ -1,11 +1,12 @@
 """Every state change of a job, as a conditional UPDATE on the registry.
 
-The job row is the source of truth. A worker *claims* a job with one UPDATE that only
-matches a queued job (or a running one whose lease ran out) and sets a fresh lease
-token; every later write of that attempt is fenced with ``WHERE lease = <token> AND
-status = 'running'``. A cancel, or another attempt that took the job over, changes the
-token or the status, so the stale attempt's writes match no row: a job's result is
-written exactly once, whatever the broker redelivers.
+The job row is the source of truth; the lease, heartbeat and fence are
+``ember.work.lease``'s (renewal is its ``Heartbeat``). A worker *claims* a job with
+one UPDATE that only matches a queued job (or a running one whose lease ran out) and
+sets a fresh lease token; every later write of that attempt is fenced with ``WHERE
+lease = <token> AND status = 'running'``. A cancel, or another attempt that took the
+job over, changes the token or the status, so the stale attempt's writes match no row:
+a job's result is written exactly once, whatever the broker redelivers.
 
 Each transaction writes before it reads, so SQLite (WAL) never has to upgrade a read
 snapshot to a write lock (``database is locked``) and PostgreSQL holds the row lock.
@@ -20,11 +21,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Engine, and_, func, or_, update
+from sqlalchemy import Engine, func, or_, update
 from sqlalchemy.sql.dml import Update
 from sqlmodel import Session, col, select
 
 from ember.registry.tables import Job, JobAttempt, JobStatus
+from ember.work import lease
 
 TERMINAL = (JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled)
 UNFINISHED = (JobStatus.queued, JobStatus.running)
@@ -91,10 +93,8 @@ def _terminal_values(job_has_webhook: bool, ttl_s: float, at: datetime) -> dict[
     return values
 
 
-def _fenced(job_id: int, lease: str) -> Any:
-    return and_(
-        col(Job.id) == job_id, col(Job.lease) == lease, col(Job.status) == JobStatus.running
-    )
+def _fenced(job_id: int, token: str) -> Any:
+    return lease.fence(Job, job_id, token)
 
 
 # --- claim ---------------------------------------------------------------------------
@@ -122,12 +122,9 @@ def claim(engine: Engine, uid: str, worker: str, lease_s: float, ttl_s: float) -
     """Take the job for one attempt: a queued job that is due, or a running one whose
     lease ran out (its worker is gone). Anything else is a duplicate delivery."""
     at = utcnow()
-    lease = secrets.token_hex(16)
+    token = lease.new_token()
     due = or_(col(Job.not_before).is_(None), col(Job.not_before) <= at + timedelta(seconds=EARLY_S))
-    takeable = or_(
-        and_(col(Job.status) == JobStatus.queued, due),
-        and_(col(Job.status) == JobStatus.running, col(Job.lease_expires_at) < at),
-    )
+    takeable = lease.takeable(Job, at, due)
     with transaction(engine) as session:
         taken = _rows(
             session,
@@ -135,8 +132,8 @@ def claim(engine: Engine, uid: str, worker: str, lease_s: float, ttl_s: float) -
             .where(col(Job.uid) == uid, takeable, col(Job.attempt_count) < col(Job.max_attempts))
             .values(
                 status=JobStatus.running,
-                lease=lease,
-                lease_expires_at=at + timedelta(seconds=lease_s),
+                lease=token,
+                lease_expires_at=lease.expiry(lease_s, at),
                 attempt_count=col(Job.attempt_count) + 1,
                 runs=col(Job.runs) + 1,
                 started_at=func.coalesce(col(Job.started_at), at),
@@ -150,10 +147,10 @@ def claim(engine: Engine, uid: str, worker: str, lease_s: float, ttl_s: float) -
             _close_attempt(session, job.id or 0, None, "lost", LOST, at=at)
             session.add(
                 JobAttempt(
-                    job_id=job.id or 0, number=job.runs, lease=lease, worker=worker, started_at=at
+                    job_id=job.id or 0, number=job.runs, lease=token, worker=worker, started_at=at
                 )
             )
-            return Claim(job, lease, job.runs)
+            return Claim(job, token, job.runs)
     return _why_not(engine, uid, at, ttl_s)
 
 
@@ -194,24 +191,10 @@ def _why_not(engine: Engine, uid: str, at: datetime, ttl_s: float) -> Skip:
 # --- while running -------------------------------------------------------------------
 
 
-def renew(engine: Engine, job_id: int, lease: str, lease_s: float) -> bool:
-    """Extend the lease; False when it is no longer ours (cancelled or taken over)."""
-    at = utcnow()
+def set_version(engine: Engine, job_id: int, token: str, version: str) -> bool:
     with transaction(engine) as session:
         return bool(
-            _rows(
-                session,
-                update(Job)
-                .where(_fenced(job_id, lease))
-                .values(lease_expires_at=at + timedelta(seconds=lease_s)),
-            )
-        )
-
-
-def set_version(engine: Engine, job_id: int, lease: str, version: str) -> bool:
-    with transaction(engine) as session:
-        return bool(
-            _rows(session, update(Job).where(_fenced(job_id, lease)).values(version=version))
+            _rows(session, update(Job).where(_fenced(job_id, token)).values(version=version))
         )
 
 

@@ -20,8 +20,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ember.config import Settings
 from ember.errors import InvalidInput, LoaderError, PayloadTooLarge, StoreAccessDenied
 from ember.loader.stores import (
@@ -32,8 +30,6 @@ from ember.loader.stores import (
     join_uri,
     open_store,
 )
-
-DTYPES = ("float32", "float16", "float64", "int64", "int32")
 
 
 def encode_result(predictions: list[Any]) -> bytes:
@@ -154,32 +150,6 @@ def parse_instances(data: bytes, where: str) -> list[Any]:
     if not instances:
         raise InvalidInput(f"{where} has no instances")
     return instances
-
-
-def check_instances(instances: list[Any], schema: dict[str, Any] | None) -> None:
-    """Reject instances that cannot fit the version's ``input_schema`` (the same rule the
-    engines apply), so bad input fails at submit, not minutes later in a worker."""
-    if not schema:
-        return
-    if "shape" in schema:
-        dtype = schema.get("dtype", "float32")
-        shape = tuple(schema["shape"])
-        for i, instance in enumerate(instances):
-            try:
-                array = np.asarray(instance, dtype=dtype if dtype in DTYPES else "float32")
-            except (TypeError, ValueError, OverflowError) as exc:
-                raise InvalidInput(
-                    f"instances[{i}] is not a numeric array: {exc}", index=i
-                ) from exc
-            if array.shape != shape:
-                raise InvalidInput(
-                    f"instances[{i}] has shape {list(array.shape)}, expected {list(shape)}",
-                    index=i,
-                )
-    elif schema.get("type") == "string":
-        for i, instance in enumerate(instances):
-            if not isinstance(instance, str):
-                raise InvalidInput(f"instances[{i}] must be a string", index=i)
 
 
 def sha256_hex(data: bytes) -> str:

@@ -9,7 +9,7 @@
    background; if it is lost (cancelled, or taken over after a stall) the attempt stops.
 3. Write the result, fenced on the lease: inline when small, else to the object store.
 
-Errors:
+Errors (the classes of ``ember.work.failures``):
 
 - **shed** (429: the async class waits while online traffic uses the capacity):
   re-queued after ``Retry-After`` with growing, jittered backoff; not an attempt (a
@@ -23,15 +23,14 @@ Errors:
 
 from __future__ import annotations
 
-import os
+import http.client
+import json
 import random
-import socket
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 from sqlalchemy import Engine
 from sqlmodel import Session
 from structlog.contextvars import bind_contextvars
@@ -43,40 +42,12 @@ from ember.jobs import records, results
 from ember.jobs.queue import Publisher
 from ember.logs import bound, get_logger, model_context
 from ember.registry.tables import Job, Tenant
+from ember.work.client import GatewayClient, api_url, worker_id
+from ember.work.failures import Permanent, Shed, Transient, classify
+from ember.work.lease import Heartbeat
 
 log = get_logger(__name__)
 RUNGS = ("model", "cache", "fallback", "default")
-PERMANENT_STATUS = {400, 404, 405, 409, 410, 413, 415, 422}
-
-
-class Shed(Exception):
-    def __init__(self, error: str, retry_after_s: float) -> None:
-        super().__init__(error)
-        self.error, self.retry_after_s, self.status_code = error, retry_after_s, 429
-
-
-class Transient(Exception):
-    def __init__(self, error: str, status_code: int | None = None) -> None:
-        super().__init__(error)
-        self.error, self.status_code = error, status_code
-
-
-class Permanent(Exception):
-    def __init__(self, error: str, code: str, status_code: int | None = None) -> None:
-        super().__init__(error)
-        self.error, self.code, self.status_code = error, code, status_code
-
-
-def api_url(settings: Settings) -> str:
-    if settings.jobs_api_url:
-        return settings.jobs_api_url.rstrip("/")
-    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
-    host = f"[{host}]" if ":" in host else host
-    return f"http://{host}:{settings.port}"
-
-
-def worker_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 @dataclass(frozen=True)
@@ -91,11 +62,7 @@ class DataPlane:
 
     def __init__(self, settings: Settings) -> None:
         key = settings.jobs_api_key.get_secret_value() if settings.jobs_api_key else ""
-        self.http = httpx.Client(
-            base_url=api_url(settings),
-            headers={"Authorization": f"Bearer {key}"},
-            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
-        )
+        self.http = GatewayClient(api_url(settings), {"Authorization": f"Bearer {key}"})
 
     def predict(
         self,
@@ -112,90 +79,39 @@ class DataPlane:
             "priority": "async",
             "timeout_ms": max(1.0, min(600_000.0, timeout_s * 1000)),
         }
-        headers = tracing.inject({"X-Ember-Tenant": tenant, "X-Request-Id": uid})
+        headers = tracing.inject(
+            {"X-Ember-Tenant": tenant, "X-Request-Id": uid, "Content-Type": "application/json"}
+        )
         try:
-            response = self.http.post(path, json=body, headers=headers, timeout=timeout_s + 5)
-        except httpx.TimeoutException as exc:
+            response = self.http.post(
+                path, json.dumps(body).encode(), headers, timeout_s=timeout_s + 5
+            )
+        except TimeoutError as exc:
             raise Transient(f"no answer from the gateway within {timeout_s:.0f}s") from exc
-        except httpx.HTTPError as exc:
+        except (OSError, http.client.HTTPException) as exc:
             raise Transient(f"gateway unreachable: {type(exc).__name__}: {exc}"[:500]) from exc
         if response.status_code == 200:
             try:
                 doc = response.json()
                 predictions, served = doc["predictions"], str(doc["version"])
                 assert isinstance(predictions, list)
-            except (ValueError, KeyError, AssertionError) as exc:
+            except (ValueError, KeyError, TypeError, AssertionError) as exc:
                 raise Transient("the gateway answered 200 with a malformed body") from exc
             return Answer(predictions, served, response.headers.get("x-ember-rung", "model"))
-        detail, code = _problem(response)
-        status = response.status_code
-        if status == 429:
-            try:
-                retry_after = float(response.headers.get("retry-after") or 1)
-            except ValueError:
-                retry_after = 1.0
-            raise Shed(f"shed ({detail})", max(0.1, retry_after))
-        if status in (401, 403):
-            raise Transient(f"the worker's API key was refused ({status}): {detail}", status)
-        if status in PERMANENT_STATUS:
-            raise Permanent(detail, code, status)
-        raise Transient(f"{status} {code}: {detail}", status)
+        detail, code = response.problem()
+        try:
+            retry_after = float(response.headers.get("retry-after") or 1)
+        except ValueError:
+            retry_after = 1.0
+        raise classify(response.status_code, detail, code, retry_after)
 
     def close(self) -> None:
         self.http.close()
 
 
-def _problem(response: httpx.Response) -> tuple[str, str]:
-    try:
-        doc = response.json()
-    except ValueError:
-        doc = None
-    if isinstance(doc, dict):
-        code = str(doc.get("type", "")).rsplit("/", 1)[-1] or f"http-{response.status_code}"
-        return str(doc.get("detail") or doc.get("title") or response.reason_phrase)[:1500], code
-    return (response.text[:500] or response.reason_phrase), f"http-{response.status_code}"
-
-
-class Leases:
-    """Renews the leases of the jobs this process runs, from one thread. A lease that
-    cannot be renewed (cancelled, or taken over) is marked lost."""
-
-    def __init__(self, engine: Engine, lease_s: float) -> None:
-        self.engine = engine
-        self.lease_s = lease_s
-        self.held: dict[int, tuple[str, threading.Event]] = {}
-        self.lock = threading.Lock()
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="ember-leases", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def hold(self, job_id: int, lease: str) -> threading.Event:
-        lost = threading.Event()
-        with self.lock:
-            self.held[job_id] = (lease, lost)
-        return lost
-
-    def release(self, job_id: int) -> None:
-        with self.lock:
-            self.held.pop(job_id, None)
-
-    def _run(self) -> None:
-        while not self.stop.wait(self.lease_s / 3):
-            with self.lock:
-                held = list(self.held.items())
-            for job_id, (lease, lost) in held:
-                try:
-                    if not records.renew(self.engine, job_id, lease, self.lease_s):
-                        lost.set()
-                except Exception as exc:  # the registry is down: keep trying
-                    log.warning("lease renewal failed", job_db_id=job_id, error=str(exc)[:200])
-
-
 class Runner:
     def __init__(
-        self, settings: Settings, engine: Engine, publisher: Publisher, leases: Leases
+        self, settings: Settings, engine: Engine, publisher: Publisher, leases: Heartbeat
     ) -> None:
         self.settings = settings
         self.engine = engine
@@ -220,7 +136,7 @@ class Runner:
             return "skipped: " + outcome.reason
         claim = outcome
         job = claim.job
-        lost = self.leases.hold(job.id or 0, claim.lease)
+        lost = self.leases.hold(job.id or 0, claim.lease).lost
         try:
             # Until the first chunk answers, an unpinned job's version is the split's choice.
             version = job.version_pinned or job.version or "routed"
@@ -238,11 +154,11 @@ class Runner:
         try:
             return self._execute(claim, lost)
         except Shed as exc:
-            return self._retry(claim, exc.error, exc.status_code, exc.retry_after_s, True)
+            return self._retry(claim, exc.detail, exc.status_code, exc.retry_after_s, True)
         except Transient as exc:
-            return self._retry(claim, exc.error, exc.status_code, 0.0, False)
+            return self._retry(claim, exc.detail, exc.status_code, 0.0, False)
         except Permanent as exc:
-            return self._fail(claim, exc.error, exc.code, exc.status_code)
+            return self._fail(claim, exc.detail, exc.error_code, exc.status_code)
         except Exception as exc:  # a bug or an unexpected outage: retry, never lose the job
             log.exception("job attempt crashed", model=job.model)
             return self._retry(

@@ -28,9 +28,10 @@ from sqlmodel import col, select
 
 from ember.config import Settings
 from ember.jobs import records, results
-from ember.jobs.queue import EPOCH_KEY, SWEEP_LOCK, Publisher, broker_url
+from ember.jobs.queue import EPOCH_KEY, SWEEP_LOCK, Publisher
 from ember.logs import get_logger
 from ember.registry.tables import Job, JobStatus, Tenant
+from ember.work.queue import broker_url
 
 log = get_logger(__name__)
 BATCH = 500

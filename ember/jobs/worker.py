@@ -20,30 +20,33 @@ from __future__ import annotations
 
 import gc
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, inspect
+from sqlalchemy import Engine
 from sqlmodel import Session, col, select
 
 from ember import tracing
 from ember.config import Settings
-from ember.errors import CapacityError, InvalidInput
+from ember.errors import InvalidInput
 from ember.jobs import webhooks
-from ember.jobs.queue import QUEUE, RUN_TASK, WEBHOOK_TASK, Publisher, make_celery
-from ember.jobs.runner import Leases, Runner, worker_id
+from ember.jobs.queue import RUN_TASK, WEBHOOK_TASK, Publisher
+from ember.jobs.runner import Runner
 from ember.jobs.schemas import job_document
 from ember.jobs.sweeper import Sweeper
 from ember.logs import bind_process, get_logger
 from ember.registry.db import make_engine
+from ember.registry.tables import Job
+from ember.work.client import api_url, worker_id
+from ember.work.lease import Heartbeat
+from ember.work.process import Supervisor, wait_for_schema, watch_parent
+from ember.work.queue import QUEUE, make_celery
 
 log = get_logger(__name__)
 SWITCH_INTERVAL_S = 0.001
@@ -51,22 +54,7 @@ SWITCH_INTERVAL_S = 0.001
 UP_WORKER_KEY = "ember-up-worker"
 
 
-def wait_for_schema(engine: Engine, timeout_s: float = 60.0) -> None:
-    """The API migrates the registry; a worker started beside it waits for the jobs table."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if inspect(engine).has_table("jobs"):
-                return
-        except Exception as exc:
-            if time.monotonic() > deadline:
-                raise CapacityError(f"the registry is unreachable: {exc}") from exc
-        if time.monotonic() > deadline:
-            raise CapacityError("the registry has no jobs table: start the API first (it migrates)")
-        time.sleep(0.5)
-
-
-def build(settings: Settings) -> tuple[Any, Runner, Sweeper, Leases]:
+def build(settings: Settings) -> tuple[Any, Runner, Sweeper, Heartbeat]:
     """The Celery app with Ember's tasks bound to a runner (no threads started)."""
     if settings.jobs_api_key is None:
         raise InvalidInput(
@@ -78,7 +66,7 @@ def build(settings: Settings) -> tuple[Any, Runner, Sweeper, Leases]:
     wait_for_schema(engine)
     celery = make_celery(settings)
     publisher = Publisher(settings)
-    leases = Leases(engine, settings.jobs_lease_s)
+    leases = Heartbeat(engine, Job, settings.jobs_lease_s, "ember-leases")
     runner = Runner(settings, engine, publisher, leases)
     sweeper = Sweeper(settings, engine, publisher)
 
@@ -101,21 +89,30 @@ def build(settings: Settings) -> tuple[Any, Runner, Sweeper, Leases]:
     return celery, runner, sweeper, leases
 
 
+Installer = Callable[[Any, Settings, Engine], threading.Thread]
+"""Registers another task set on the worker's Celery app (the same queue) and returns its
+(unstarted) background thread: ``ember.batch.shards.install``."""
+
+
 def run_worker(
-    settings: Settings, concurrency: int | None = None, parent_pid: int | None = None
+    settings: Settings,
+    concurrency: int | None = None,
+    parent_pid: int | None = None,
+    task_sets: Sequence[Installer] = (),
 ) -> None:
     """Run a worker in this process until it is stopped (SIGTERM/SIGINT: warm shutdown).
     ``parent_pid``: stop (warm) as soon as that process is no longer this one's parent, so
-    a worker that ``ember up`` started never outlives it."""
+    a worker that ``ember up`` started never outlives it. ``task_sets``: what else the
+    worker serves besides jobs; the caller (``ember worker``) passes the batch shards',
+    so jobs never import batch."""
     if parent_pid is not None:
-        threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+        threading.Thread(target=watch_parent, args=(parent_pid,), daemon=True).start()
     traced = tracing.setup(settings, "ember-worker")  # EMBER_OTEL_ENDPOINT
     celery, runner, sweeper, leases = build(settings)
     alive = threading.Event()
     threading.Thread(target=_keep_alive, args=(alive,), name="ember-alive", daemon=True).start()
-    from ember.batch.shards import install as install_batch  # batch shards: same queue
-
-    install_batch(celery, settings, runner.engine).start()
+    for install in task_sets:  # batch shards: the same queue
+        install(celery, settings, runner.engine).start()
     name = f"ember@{worker_id()}"
     bind_process(worker=name)
     leases.start()
@@ -205,13 +202,6 @@ def _freeze_when_ready() -> Callable[..., None]:
     return freeze
 
 
-def _watch_parent(parent: int) -> None:
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    log.warning("the parent process is gone; stopping", parent=parent)
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
 # --- `ember up`: one supervised worker ------------------------------------------------
 
 
@@ -246,73 +236,8 @@ def revoke_worker_keys(engine: Engine) -> None:
         session.commit()
 
 
-class Supervisor:
-    """Runs ``ember worker`` as a child process and starts it again when it dies (with a
-    backoff that resets once a worker has lived a minute)."""
-
-    def __init__(self, env: dict[str, str], stop_timeout_s: float = 20.0) -> None:
-        self.env = env
-        self.stop_timeout_s = stop_timeout_s
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.restarts = 0
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(
-            target=self._loop, name="ember-worker-supervisor", daemon=True
-        )
-
-    def start(self) -> None:
-        self._spawn()
-        self.thread.start()
-
-    def _spawn(self) -> None:
-        # Its own session: a Ctrl-C in the terminal reaches `ember up`, which stops the
-        # worker itself; --parent-pid covers `ember up` being killed outright.
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ember", "worker", "--parent-pid", str(os.getpid())],
-            env=self.env,
-            start_new_session=True,
-        )
-        self.started = time.monotonic()
-        log.info("job worker started", pid=self.proc.pid, restarts=self.restarts)
-
-    def _loop(self) -> None:
-        delay = 1.0
-        while not self.stopping.wait(0.5):
-            proc = self.proc
-            if proc is None or proc.poll() is None:
-                continue
-            if time.monotonic() - self.started > 60:
-                delay = 1.0
-            log.warning(
-                "job worker exited; starting another",
-                pid=proc.pid,
-                status=proc.returncode,
-                in_s=delay,
-            )
-            if self.stopping.wait(delay):
-                return
-            self.restarts += 1
-            self._spawn()
-            delay = min(30.0, delay * 2)
-
-    def stop(self) -> None:
-        self.stopping.set()
-        self.thread.join(5)
-        proc = self.proc
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)  # warm shutdown: running jobs finish or are restored
-        try:
-            proc.wait(self.stop_timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-
-
 def supervise(settings: Settings, engine: Engine, redis_url: str) -> Supervisor:
     """``ember up``'s worker: minted key, the API's URL, the local Redis."""
-    from ember.jobs.runner import api_url
-
     env = dict(os.environ)
     if settings.jobs_api_key is None:
         env["EMBER_JOBS_API_KEY"] = mint_worker_key(engine)

@@ -9,7 +9,7 @@ from typing import Any
 import redis
 
 from ember.batch.beat import Beat
-from ember.jobs.queue import make_celery
+from ember.work.queue import make_celery
 from tests.batch.conftest import MODEL, BatchPlatform, read_output, write_jsonl
 from tests.gateway.conftest import X
 

@@ -18,14 +18,17 @@ import numpy as np
 import pytest
 
 from ember.batch import datasets, plan
-from ember.batch.client import GatewayClient, InputCache, Lane
+from ember.batch.client import InputCache, Lane
 from ember.batch.schemas import BatchSpec
-from ember.batch.shards import Lease, Retry, ShardRunner, Window
+from ember.batch.shards import ShardRunner, Window
 from ember.config import Settings
 from ember.engine.tensorbody import TensorBody
 from ember.errors import ObjectChanged
 from ember.loader.stores import ObjectInfo
 from ember.registry.tables import BatchRun
+from ember.work.client import GatewayClient
+from ember.work.failures import Transient
+from ember.work.lease import Lease
 
 PROBLEM = "application/problem+json"
 
@@ -179,7 +182,7 @@ def test_a_direct_lane_leaves_out_what_it_cannot_reach_and_falls_back_to_the_gat
     chunk = np.zeros((4, 3), np.float32)
 
     def call(lane: Lane | None) -> Any:
-        lease = Lease(None, 1, "t", 30.0)  # type: ignore[arg-type]
+        lease = Lease(1, "t")
         return runner._call(run, "acme", chunk, lease, threading.Event(), Window(), 4, lane)
 
     try:
@@ -203,7 +206,7 @@ def test_a_direct_lane_leaves_out_what_it_cannot_reach_and_falls_back_to_the_gat
         Scripted.routes["/infer"] = (200, {"content-type": tensor.content_type,
                                            "x-ember-version": "2"}, tensor.data)  # fmt: skip
         lane.expires = 0.0  # the next call asks the gateway again, reporting what it sent
-        with pytest.raises(Retry, match="version '2'"):
+        with pytest.raises(Transient, match="version '2'"):
             call(lane)
         report = next(b for p, b in reversed(Scripted.seen) if p.endswith(":batch-lane"))
         assert json.loads(report) == {"sent": 4}

@@ -13,6 +13,7 @@ from ember.jobs import records
 from ember.registry.db import make_engine, migrate, session_scope
 from ember.registry.tables import Job, JobAttempt
 from ember.registry.tenants import bootstrap
+from ember.work import lease
 from tests import services
 
 TTL = 3600.0
@@ -79,7 +80,7 @@ def test_a_presumed_dead_attempt_cannot_write_a_second_result(engine: Engine) ->
     third = records.claim(engine, uid, "c:3", lease_s=30, ttl_s=TTL)
     assert isinstance(third, records.Skip) and "live lease" in third.reason
 
-    assert not records.renew(engine, first.job.id or 0, first.lease, 30)
+    assert not lease.renew(engine, Job, first.job.id or 0, first.lease, 30)
     assert succeed(engine, second, 2.0)
     assert not succeed(engine, first, 1.0)  # the zombie's write matches no row
     assert not succeed(engine, second, 3.0)  # and nothing is written twice
@@ -124,7 +125,7 @@ def test_cancel_fences_out_the_running_attempt(engine: Engine) -> None:
     assert isinstance(claim, records.Claim)
     assert records.cancel(engine, claim.job.id or 0, has_webhook=False, ttl_s=TTL)
     assert not records.cancel(engine, claim.job.id or 0, has_webhook=False, ttl_s=TTL)
-    assert not records.renew(engine, claim.job.id or 0, claim.lease, 30)
+    assert not lease.renew(engine, Job, claim.job.id or 0, claim.lease, 30)
     assert not succeed(engine, claim, 1.0)
     assert not records.release(engine, claim, error="x", status_code=503, delay_s=0, deferral=False)
     job, attempts = row(engine, uid)

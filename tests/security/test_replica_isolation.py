@@ -26,8 +26,8 @@ import pytest
 
 import ember
 from ember.config import Settings
+from ember.domain.spec import REPLICA_SECRET_ENV, REPLICA_SECRET_HEADER
 from ember.engine.privileges import blocked_for_others, drop_to, tenant_home
-from ember.engine.spec import REPLICA_SECRET_ENV, REPLICA_SECRET_HEADER
 from ember.loader.cache import tenant_cache_dir
 from ember.pools.backends.base import ReplicaHandle
 from ember.pools.backends.local import replica_environ
@@ -149,7 +149,8 @@ def test_the_allowlist_never_passes_a_denied_name() -> None:
 def test_a_batch_lane_sends_each_replica_its_secret() -> None:
     """The worker's direct lane: each target's client carries its replica's secret, and a
     replica named again with a new secret (same id and address) gets a new client."""
-    from ember.batch.client import GatewayClient, Lane
+    from ember.batch.client import Lane
+    from ember.work.client import GatewayClient
 
     lane = Lane(GatewayClient("http://127.0.0.1:1", {}), "acme", "m", "1")
     try:

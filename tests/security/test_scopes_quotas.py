@@ -24,9 +24,9 @@ from sqlalchemy import event
 from ember.api.app import create_app
 from ember.batch.beat import Beat
 from ember.config import Settings
-from ember.jobs.queue import make_celery
 from ember.registry.db import make_engine
 from ember.registry.tables import Tenant
+from ember.work.queue import make_celery
 from tests import services
 from tests.api import conftest as api_fixtures
 from tests.api.conftest import ADMIN_KEY, MLP, Api

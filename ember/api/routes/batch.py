@@ -11,7 +11,6 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from ember.api.deps import Cursor, Limit, PrincipalDep, SessionDep, SettingsDep
-from ember.api.problems import problem_responses
 from ember.api.routes.jobs import _publisher
 from ember.batch import plan
 from ember.batch.schemas import (
@@ -25,11 +24,12 @@ from ember.batch.schemas import (
 )
 from ember.config import Settings
 from ember.errors import Conflict, InvalidInput, NotFound
-from ember.jobs.submit import resolve
 from ember.registry.pagination import paginate
 from ember.registry.schemas import NAME_PATTERN, Page
 from ember.registry.tables import BatchRun, BatchSchedule
 from ember.registry.tenants import Principal
+from ember.web.problems import problem_responses
+from ember.work.versions import resolve
 
 router = APIRouter(tags=["batch"])
 ScheduleName = Annotated[str, Path(pattern=NAME_PATTERN, max_length=63)]
