@@ -28,6 +28,7 @@ unit: venv
 lint: venv
 	$(VENV)/bin/ruff check ember tests bench scripts
 	$(VENV)/bin/ruff format --check ember tests bench scripts
+	$(VENV)/bin/lint-imports
 
 typecheck: venv
 	$(VENV)/bin/mypy

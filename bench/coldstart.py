@@ -73,7 +73,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ember.engine.spec import REPLICA_SECRET_ENV, REPLICA_SECRET_HEADER  # noqa: E402
+from ember.domain.spec import REPLICA_SECRET_ENV, REPLICA_SECRET_HEADER  # noqa: E402
 from ember.loader import pagecache  # noqa: E402 - torch-free: this process never imports torch
 from tests.services import free_port, moto_server  # noqa: E402
 
@@ -468,7 +468,7 @@ def warm_up(bench: Bench, llm: bool = False) -> None:
 def build_llm(objects: Path) -> Model:
     """The tiny Llama as a sharded checkpoint (written by a child process: the bench stays
     torch-free), registered as a directory version: its manifest and the manifest's digest."""
-    from ember.loader.manifest import Manifest, ManifestFile
+    from ember.domain.manifest import Manifest, ManifestFile
 
     folder = objects / LLM / "1"
     subprocess.run([sys.executable, "-m", "ember.engine.examples.tiny_llm", str(folder),

@@ -62,11 +62,11 @@ from typing import Any
 import torch
 
 from ember.config import Settings
-from ember.engine.spec import VersionSpec
+from ember.domain.manifest import Manifest, ManifestFile
+from ember.domain.spec import VersionSpec
 from ember.loader import pagecache
 from ember.loader.cache import CacheKey
 from ember.loader.load import WeightLoader, load_file
-from ember.loader.manifest import Manifest, ManifestFile
 from ember.logs import configure_logging
 
 GB = 1e9

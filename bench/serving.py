@@ -1244,7 +1244,7 @@ def ember_split(started: Started, w: Window) -> dict[str, Any]:
 def replica_auth(pid: int | None) -> dict[str, str]:
     """The replica API's secret header, read from the replica's environment as the API's
     user may (``/proc/<pid>/environ``): the bench calls the replica directly."""
-    from ember.engine.spec import REPLICA_SECRET_ENV, REPLICA_SECRET_HEADER
+    from ember.domain.spec import REPLICA_SECRET_ENV, REPLICA_SECRET_HEADER
 
     if pid is None:
         return {}

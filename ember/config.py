@@ -418,7 +418,7 @@ class Settings(BaseSettings):
     @field_validator("gpus")
     @classmethod
     def _gpus(cls, value: str) -> str:
-        from ember.pools.backends.gpus import parse_setting
+        from ember.domain.gpus import parse_setting
 
         parse_setting(value)  # ValueError names what is wrong
         return value

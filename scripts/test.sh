@@ -26,6 +26,7 @@ background infra bash infra/check.sh
 $VENV/bin/ruff check ember tests bench scripts
 $VENV/bin/ruff format --check ember tests bench scripts
 $VENV/bin/mypy
+$VENV/bin/lint-imports  # the layers of ember/ (pyproject.toml, [tool.importlinter])
 
 # Two pytest workers (pytest-xdist; TEST_WORKERS to change, 0 for none): most tests
 # wait on real processes starting (engines import torch), so a second worker fills the

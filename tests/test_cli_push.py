@@ -16,7 +16,7 @@ import pytest
 
 from ember.api.app import create_app
 from ember.config import Settings
-from ember.loader.manifest import Manifest
+from ember.domain.manifest import Manifest
 from ember.loader.upload import LocalFile, digest_files, list_directory
 from tests import services
 from tests.api.conftest import ADMIN_KEY

@@ -17,7 +17,7 @@ import pytest
 
 from ember.api.app import create_app
 from ember.config import Settings
-from ember.loader.manifest import Manifest, ManifestFile
+from ember.domain.manifest import Manifest, ManifestFile
 from tests import services
 from tests.api.conftest import ADMIN_KEY
 

@@ -13,21 +13,22 @@ from sqlalchemy import Engine
 import ember
 from ember import tracing
 from ember.api import metrics as metrics_routes
-from ember.api import problems
 from ember.api.deps import ControlPlane, PrincipalCache
-from ember.api.lane import JSON_MEDIA, LaneApp
-from ember.api.middleware import TENSOR_MEDIA, BodyLimit, JsonBodies, RequestContext
 from ember.api.routes import batch as batch_routes
 from ember.api.routes import deployments, health, jobs, models, openai, predict, tenants, v2
+from ember.api.ui import routes as ui_routes
 from ember.config import Settings
 from ember.jobs import demand as jobs_demand
 from ember.logs import get_logger
 from ember.registry.db import make_engine, migrate, session_scope
 from ember.registry.tenants import bootstrap
 from ember.registry.validation import BackgroundValidator
-from ember.ui import routes as ui_routes
+from ember.web import problems
+from ember.web.lane import JSON_MEDIA, LaneApp
+from ember.web.middleware import TENSOR_MEDIA, BodyLimit, JsonBodies, RequestContext
 
 if TYPE_CHECKING:
+    from ember.pools.controller import PoolsController
     from ember.pools.gateway import Gateway
 
 log = get_logger(__name__)
@@ -62,7 +63,7 @@ def create_app(
         app.state.validator = BackgroundValidator(app.state.engine, settings)
         resumed = app.state.validator.resume_pending()
         if settings.pools_enabled:
-            app.state.gateway = start_pools(settings, app.state.engine)
+            app.state.pools, app.state.gateway = start_pools(settings, app.state.engine)
         jobs_demand.attach(app, settings)  # job publisher; queue depth to the autoscaler
         log.info("ember api ready", registry=settings.registry_url.split("@")[-1],
                  resumed_validations=resumed)  # fmt: skip
@@ -84,10 +85,11 @@ def create_app(
                 await app.state.ratelimiter.close()
             if getattr(app.state, "gateway", None) is not None:
                 await app.state.gateway.close()
-                await app.state.gateway.controller.stop()
-                app.state.gateway.controller.metrics.close()  # the last cost counts
-                if app.state.gateway.controller.history is not None:
-                    app.state.gateway.controller.history.close()
+                pools = app.state.pools
+                await pools.stop()
+                pools.metrics.close()  # the last cost counts
+                if pools.history is not None:
+                    pools.history.close()
             if getattr(app.state, "history", None) is not None:  # the dashboard's reader
                 app.state.history.close()
             if traced:
@@ -114,7 +116,7 @@ def create_app(
     app.include_router(ui_routes.pages)  # the dashboard: /ui (static, no data)
     if settings.metrics_port is None:  # else on loopback only (``ember.api.metrics``)
         app.include_router(metrics_routes.router)
-    # In front of everything: the predict lane takes what it reads (``ember.api.lane``).
+    # In front of everything: the predict lane takes what it reads (``ember.web.lane``).
     app.add_lane(
         predict.PREDICT_PATH,
         predict.lean_predict,
@@ -127,58 +129,59 @@ def create_app(
     return app
 
 
-def start_pools(settings: Settings, engine: Engine) -> Gateway:
-    """The pools controller (local processes or Kubernetes pods) and the gateway in front."""
+def start_pools(settings: Settings, engine: Engine) -> tuple[PoolsController, Gateway]:
+    """The pools controller (local processes or Kubernetes pods) — the control side — and
+    the gateway in front — the serving side, which sees the controller only through the
+    ``ControlPlane`` interface. Every collaborator of the controller is given at
+    construction; nothing is attached to it afterwards."""
     from ember.pools.admission import Admission
     from ember.pools.backends import create_backend, standby_pool
     from ember.pools.cache import ResponseCache
     from ember.pools.controller import PoolsController, ProbeSettings, autoscale_knobs
+    from ember.pools.costs import CostLedger
+    from ember.pools.demand import ForecastStore, SharedDemand
     from ember.pools.gateway import Gateway
+    from ember.pools.history import History
     from ember.pools.leader import election_for
     from ember.pools.predlog import PredictionLog
+    from ember.pools.warmtier import SharedWarmTier
 
     probe = ProbeSettings(settings.probe_idle_s, settings.probe_timeout_s, settings.probe_failures)
     backend = create_backend(settings)  # local processes, or Kubernetes with a Lease
     standby_floor, standby_max = standby_pool(settings)
+    leader = election_for(settings, backend)
+    redis_url = settings.redis_url
     controller = PoolsController(
         engine,
         backend,
         standby_pool=standby_floor,
         standby_max=standby_max,
         probe=probe,
-        leader=election_for(settings, backend),
+        leader=leader,
         autoscale=autoscale_knobs(settings),
         fill_warm=settings.scale_fill_warm,
         standby_reserve_max=settings.standby_reserve_max_bytes,
+        # the job queue's backlog, so that it scales the pool to drain it
+        async_demand=jobs_demand.QueuedDemand(engine),
+        # several API processes: the followers' gateways' demand, summed for the leader
+        shared_demand=SharedDemand(redis_url) if leader is not None and redis_url else None,
+        # the autoscalers' learned state survives restarts and leaders
+        forecast_store=ForecastStore(redis_url) if redis_url else None,
+        # local processes share this host's RAM
+        warm_tier=(
+            None if backend.replicas_outlive_controller else SharedWarmTier.from_settings(settings)
+        ),
+        history=History(redis_url),  # the dashboard's time series
     )
-    if not backend.replicas_outlive_controller:  # local processes share this host's RAM
-        from ember.pools.warmtier import SharedWarmTier
-
-        controller.warm_tier = SharedWarmTier.from_settings(settings)
-        if controller.warm_tier is not None:
-            controller.warm_tier.register_metrics(controller.metrics.registry)
-    if controller.leader is not None and settings.redis_url:
-        from ember.pools.demand import SharedDemand
-
-        controller.shared_demand = SharedDemand(settings.redis_url)
-    if settings.redis_url:  # the autoscalers' learned state survives restarts and leaders
-        from ember.pools.demand import ForecastStore
-
-        controller.forecast_store = ForecastStore(settings.redis_url)
-    from ember.pools.history import History
-
-    controller.history = History(settings.redis_url)  # the dashboard's time series
-    from ember.pools.costs import CostLedger
-
-    controller.metrics.use_costs(CostLedger(settings.redis_url))  # shared through Redis
+    controller.metrics.use_costs(CostLedger(redis_url))  # shared through Redis
     controller.start()
     admission = Admission(settings.tenant_units_per_s, settings.tenant_burst_units)
     cache = ResponseCache(
-        settings.redis_url,
+        redis_url,
         front_entries=settings.response_cache_entries,
         max_bytes=settings.response_cache_max_bytes,
     )
-    return Gateway(
+    gateway = Gateway(
         controller,
         admission,
         settings.retry_budget_ratio,
@@ -186,3 +189,4 @@ def start_pools(settings: Settings, engine: Engine) -> Gateway:
         predictions=PredictionLog.from_settings(settings),
         ladder_reserve=settings.ladder_reserve,
     )
+    return controller, gateway

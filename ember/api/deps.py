@@ -194,6 +194,32 @@ def refresher(engine: Any, credentials: str, tenant: str | None) -> Callable[[],
     return refresh
 
 
+def bearer_key(authorization: str | None) -> str | None:
+    """The API key of an ``Authorization: Bearer <key>`` header, read as ``HTTPBearer``
+    reads it (None: no header, another scheme, no key)."""
+    scheme, credentials = get_authorization_scheme_param(authorization)
+    return credentials if scheme.lower() == "bearer" and credentials else None
+
+
+async def authenticate_key(state: Any, key: str | None, tenant: str | None) -> Principal:
+    """The data plane's one authentication: ``key`` (and ``X-Ember-Tenant``) through the
+    principal cache (``state``: the app's), looked up on a miss, or refused (401). The
+    ``PrincipalDep`` dependency is this; the lean lane's tensor path, which FastAPI's
+    dependencies never see, calls it directly."""
+    if not key:
+        raise Unauthenticated("send an API key as `Authorization: Bearer <key>`")
+    if len(key) > 512:
+        raise Unauthenticated("the API key is not valid (unknown or revoked)")
+    cache: PrincipalCache = state.principals
+    cache_key = (hash_key(key), tenant)
+    refresh = refresher(state.engine, key, tenant)
+    with tracing.span("auth"):
+        principal = cache.get(cache_key, refresh)
+        if principal is None:
+            principal = await cache.load(cache_key, refresh)
+    return principal
+
+
 async def get_principal(
     request: Request,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
@@ -202,18 +228,9 @@ async def get_principal(
         Header(description="Admin keys only: act for this tenant.", max_length=63),
     ] = None,
 ) -> Principal:
-    if credentials is None or not credentials.credentials:
-        raise Unauthenticated("send an API key as `Authorization: Bearer <key>`")
-    if len(credentials.credentials) > 512:
-        raise Unauthenticated("the API key is not valid (unknown or revoked)")
-    cache: PrincipalCache = request.app.state.principals
-    cache_key = (hash_key(credentials.credentials), x_ember_tenant)
-    refresh = refresher(request.app.state.engine, credentials.credentials, x_ember_tenant)
-    with tracing.span("auth"):
-        principal = cache.get(cache_key, refresh)
-        if principal is None:
-            principal = await cache.load(cache_key, refresh)
-    return principal
+    """Every authenticated route's principal (``PrincipalDep``): ``authenticate_key``."""
+    key = credentials.credentials if credentials is not None else None
+    return await authenticate_key(request.app.state, key, x_ember_tenant)
 
 
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
@@ -267,14 +284,13 @@ def rate_key(credentials: HTTPAuthorizationCredentials | None) -> str:
 def cached_principal(
     cache: PrincipalCache, authorization: str | None, tenant: str | None, engine: Any
 ) -> Principal | None:
-    """The principal ``get_principal`` cached for these headers (read as ``HTTPBearer``
-    reads them), or None: a lean lane leaves a miss to the dependency, which authenticates
-    (and caches) or refuses."""
-    scheme, credentials = get_authorization_scheme_param(authorization)
-    if scheme.lower() != "bearer" or not credentials or len(credentials) > 512:
+    """The principal ``authenticate_key`` cached for these headers, or None: a lean lane
+    leaves a miss to the dependency, which authenticates (and caches) or refuses."""
+    key = bearer_key(authorization)
+    if key is None or len(key) > 512:
         return None
     with tracing.span("auth"):
-        return cache.get((hash_key(credentials), tenant), refresher(engine, credentials, tenant))
+        return cache.get((hash_key(key), tenant), refresher(engine, key, tenant))
 
 
 Limit = Annotated[int, Query(ge=1, le=500, description="Page size.")]

@@ -40,7 +40,7 @@ def render(app: FastAPI, tenant: str | None) -> bytes:
     gateway = getattr(app.state, "gateway", None)
     if gateway is None:
         return b""
-    data: bytes = gateway.controller.metrics.render(tenant)
+    data: bytes = gateway.control.metrics.render(tenant)
     return data
 
 
@@ -69,7 +69,7 @@ def cost(
     if gateway is None:
         raise NotReady("this API process runs no pools controller (EMBER_POOLS_ENABLED=false)")
     try:
-        snapshot = gateway.controller.metrics.costs.snapshot()
+        snapshot = gateway.control.metrics.costs.snapshot()
     except RedisError as exc:
         log.warning("could not read the cost counts", error=str(exc))
         raise NotReady("the shared cost counts cannot be read now; try again") from exc

@@ -79,7 +79,7 @@ def make_cache_app(resolve: VersionResolver | None = None) -> typer.Typer:
     ) -> None:
         """Fetch a version's files into the cache now, so a later start is a hit."""
         from ember.config import get_settings
-        from ember.engine.spec import VersionSpec
+        from ember.domain.spec import VersionSpec
         from ember.loader.load import WeightLoader
 
         model, version = _split(ref)

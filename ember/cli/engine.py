@@ -62,7 +62,7 @@ def engine(
     Its API needs the secret given in ``EMBER_REPLICA_SECRET`` (read and removed from the
     environment at once) on every route but ``/healthz`` and ``/readyz``; started without
     one (by hand), it serves unauthenticated on a loopback address only."""
-    from ember.engine.spec import REPLICA_SECRET_ENV
+    from ember.domain.spec import REPLICA_SECRET_ENV
     from ember.engine.threads import apply_thread_limits, cpu_budget
 
     secret = os.environ.pop(REPLICA_SECRET_ENV, None) or None
@@ -128,9 +128,9 @@ def _serve_replica(
 ) -> None:
     import uvicorn
 
+    from ember.domain.spec import BatchPolicy, VersionSpec
     from ember.engine.replica import Replica
     from ember.engine.server import create_replica_app
-    from ember.engine.spec import BatchPolicy, VersionSpec
     from ember.engine.threads import apply_thread_limits
     from ember.logs import bind_process, configure_logging, get_logger
 
@@ -188,9 +188,9 @@ def calibrate(
     it on the version for this hardware. Needs an admin key (``EMBER_API_KEY``)."""
     from ember.client import EmberClient
     from ember.costmodel import hardware_key
+    from ember.domain.spec import VersionSpec
     from ember.engine.base import engine_class
     from ember.engine.calibrate import calibrate as run_calibration
-    from ember.engine.spec import VersionSpec
 
     model, sep, version = ref.partition(":")
     if not sep or not model or not version:

@@ -254,7 +254,7 @@ def _version_body(
 def _check_engine(engine: str, config: dict[str, Any]) -> None:
     """What the server's schema will check of the engine and its config, checked before
     the upload (a typo should not cost an upload); the code it names is the server's
-    to allow (``ember.registry.trust``)."""
+    to allow (``ember.domain.trust``)."""
     from ember.registry.schemas import KNOWN_ENGINES, check_engine_config
 
     if engine not in KNOWN_ENGINES:
@@ -277,7 +277,7 @@ def _push(
     dry_run: bool,
 ) -> None:
     """Hash, upload (``ember.loader.upload``) and register ``files`` as ``name``."""
-    from ember.loader.manifest import Manifest
+    from ember.domain.manifest import Manifest
     from ember.loader.stores import join_uri, open_store
     from ember.loader.upload import Push, object_uri, user_cache_dir
     from ember.logs import model_context

@@ -32,8 +32,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ember.domain.safetensors import Header
 from ember.errors import ArtifactError
-from ember.loader.safetensors import Header
 
 #: The files beside a single ``.safetensors`` artifact that a version takes with it
 #: (recorded with their sha256 at registration): what the transformers and vLLM engines read.

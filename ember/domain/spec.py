@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import enum
 from functools import cached_property
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ember.costmodel import CostModel
+from ember.domain.manifest import Manifest, ManifestFile
 from ember.errors import ArtifactError
-from ember.loader.manifest import Manifest, ManifestFile
 
 REPLICA_SECRET_ENV = "EMBER_REPLICA_SECRET"  # noqa: S105 (a name, not a secret)
 """The environment variable a replica process reads its secret from (made at launch by the
@@ -28,6 +28,54 @@ class Tier(enum.StrEnum):
     """Weights in host RAM: one host-to-device copy from hot."""
     standby = "standby"
     """Runtime imported, no weights: one load from the NVMe cache from hot."""
+
+
+class Source(enum.StrEnum):
+    """Where a replica becomes hot from: a live tier below hot, or ``cold`` — nothing
+    alive, a new process. Not a :class:`Tier` (nothing of a cold replica exists to hold
+    one); the autoscaler stages its forecasts by it and the controller learns how long a
+    promotion from each takes."""
+
+    warm = "warm"
+    standby = "standby"
+    cold = "cold"
+
+
+class ReplicaState(enum.StrEnum):
+    """Where a replica is in its lifecycle, as the pools controller tracks it (the values
+    are what ``GET /v1/deployments/{name}/replicas`` shows)."""
+
+    starting = "starting"
+    """Launched (or assigned from the standby pool), not ready yet."""
+    queued = "queued"
+    """Starting, but the backend holds it back (waiting for GPUs): listings only."""
+    ready = "ready"
+    """Serving (hot) or holding its weights (warm)."""
+    standby = "standby"
+    """A process of the shared standby pool: runtime up, no version."""
+    promoting = "promoting"
+    """Being moved warm -> hot."""
+    demoting = "demoting"
+    """Being moved hot -> warm."""
+    draining = "draining"
+    """Being stopped: finishes what it holds, takes nothing new."""
+    failed = "failed"
+
+
+class DeploymentKey(NamedTuple):
+    """A deployment, by its tenant and its name (a plain tuple on the wire and in maps)."""
+
+    tenant_id: int
+    name: str
+
+    @property
+    def standby_pool(self) -> bool:
+        """The key of the shared standby pool (:data:`STANDBY_POOL`), no deployment."""
+        return self == STANDBY_POOL
+
+
+STANDBY_POOL = DeploymentKey(0, "")
+"""The key of the processes of the shared standby pool: they belong to no deployment."""
 
 
 class Priority(enum.IntEnum):
@@ -77,14 +125,14 @@ class VersionSpec(BaseModel):
     cost: dict[str, float] | None = None
     """Calibrated ``CostModel`` fields for this hardware, if known."""
     files: tuple[ManifestFile, ...] | None = None
-    """The version's files (``ember.loader.manifest``). A directory version
+    """The version's files (``ember.domain.manifest``). A directory version
     (``artifact_uri`` ending in ``/``): every file, and ``sha256`` is the manifest's digest.
     A single-file version: the weights and the sidecars registered beside them. None: a
     single-file version registered before manifests (its sidecars are read unverified)."""
     trusted: bool = False
     """The version's tenant is marked trusted (set by the pools controller from the
     registry): its code need not match the replica's ``EMBER_ENGINE_FACTORIES`` nor its
-    vLLM flags the allowlist (``ember.registry.trust``). False: the replica checks both."""
+    vLLM flags the allowlist (``ember.domain.trust``). False: the replica checks both."""
 
     @property
     def directory(self) -> bool:
@@ -130,7 +178,7 @@ class BatchPolicy(BaseModel):
 
 class TorchOptions(BaseModel):
     """The ``engine_config`` of a torch version: ``{"factory": "pkg.module:callable",
-    "kwargs": {...}}``. Which factories may be named: ``ember.registry.trust``."""
+    "kwargs": {...}}``. Which factories may be named: ``ember.domain.trust``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -166,7 +214,7 @@ class VllmOptions(BaseModel):
     """Default completion length for ``/infer`` instances that do not say."""
     vllm_args: dict[str, Any] = Field(default_factory=dict)
     """Further ``vllm serve`` flags, without the leading dashes (``true`` = the flag,
-    ``false`` = its ``--no-`` form): vLLM's tuning flags only (``ember.registry.trust``)."""
+    ``false`` = its ``--no-`` form): vLLM's tuning flags only (``ember.domain.trust``)."""
 
 
 ENGINE_OPTIONS: dict[str, type[BaseModel]] = {

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 from ember.config import Settings
-from ember.engine.spec import Tier, VersionSpec
+from ember.domain.spec import Tier, VersionSpec
 from ember.errors import InvalidInput
 
 

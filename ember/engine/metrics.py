@@ -14,7 +14,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ember.engine.spec import Priority
+from ember.domain.spec import Priority
 from ember.logs import get_logger
 
 log = get_logger(__name__)

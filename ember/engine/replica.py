@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ember.config import Settings
+from ember.domain.spec import BatchPolicy, Priority, Tier, VersionSpec
 from ember.engine.base import Engine, engine_class
 from ember.engine.metrics import EngineMetrics
 from ember.engine.privileges import drop_to, tenant_home
 from ember.engine.scheduler import Scheduler
-from ember.engine.spec import BatchPolicy, Priority, Tier, VersionSpec
 from ember.engine.threads import CpuBudget, apply_thread_limits
 from ember.errors import Conflict, EmberError, NotReady
 from ember.loader.cache import tenant_cache_dir

@@ -19,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from ember.domain.spec import BatchPolicy, Priority
 from ember.engine.base import Engine, Sized
 from ember.engine.metrics import EngineMetrics
-from ember.engine.spec import BatchPolicy, Priority
 from ember.errors import BackPressure, DeadlineExceeded, EmberError, EngineError, PayloadTooLarge
 from ember.logs import get_logger
 

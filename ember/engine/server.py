@@ -17,24 +17,21 @@ import asyncio
 import hmac
 import re
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Annotated, Any
 
 import pydantic_core
-from fastapi import FastAPI, Header, Query, Request, Response
+from fastapi import APIRouter, FastAPI, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request as StarletteRequest
 from starlette.types import Receive, Scope, Send
 
 from ember import tracing
-from ember.api import problems
-from ember.api.lane import Answer, LaneApp, header_values
-from ember.api.middleware import BodyLimit, RequestContext
+from ember.domain.spec import REPLICA_SECRET_HEADER, Priority, Tier, VersionSpec
 from ember.engine.metrics import serve_replica_metrics
 from ember.engine.replica import Replica, Tenancy
-from ember.engine.spec import REPLICA_SECRET_HEADER, Priority, Tier, VersionSpec
 from ember.engine.tensorbody import (
     TIMEOUT_HEADER,
     TensorBody,
@@ -45,6 +42,9 @@ from ember.engine.tensorbody import (
 from ember.engine.tensorbody import parse as parse_tensor
 from ember.errors import InvalidInput, Unauthenticated
 from ember.logs import get_logger
+from ember.web import problems
+from ember.web.lane import Answer, LaneApp, header_values
+from ember.web.middleware import BodyLimit, RequestContext
 
 log = get_logger(__name__)
 
@@ -140,25 +140,51 @@ def create_replica_app(
     replica: Replica, spec: VersionSpec | None, secret: str | None = None
 ) -> FastAPI:
     """The replica's API; ``secret``: what every call but the probes must carry (None: a
-    replica started by hand on loopback, unauthenticated)."""
+    replica started by hand on loopback, unauthenticated). ``spec``: the version to load
+    at startup (None: a standby process, given one later by ``POST /assign``)."""
+    app = ReplicaApp(title="Ember replica", lifespan=_lifespan(replica, spec), openapi_url=None)
+    app.secret = secret.encode("latin-1") if secret else None
+    app.state.replica = replica
+    problems.install(app)
+    inference = Inference(replica)
+    app.include_router(inference.router())
+    max_bytes = replica.settings.max_request_bytes
+    app.add_lane(re.compile("/infer"), inference.lean, max_bytes=max_bytes, media=None)
+    app.add_middleware(BodyLimit, max_bytes=max_bytes)
+    app.add_middleware(RequestContext)
+    app.include_router(probe_routes(replica))
+    app.include_router(control_routes(replica))
+    return app
 
-    async def assign_and_mount(version: VersionSpec, params: AssignParams | None = None) -> None:
-        params = params or AssignParams()
-        policy = params.model_dump(
-            exclude_none=True, exclude={"threads", "tenant_id", "uid", "gid"}
-        )
-        tenant = None
-        if params.tenant_id is not None:
-            tenant = Tenancy(params.tenant_id, params.uid, params.gid)
-        await replica.assign(version, policy, params.threads, tenant)
-        router = replica.engine.routes() if replica.engine and replica.state == "ready" else None
-        if router is not None:
-            app.include_router(router)
+
+async def assign_and_mount(
+    app: FastAPI, replica: Replica, version: VersionSpec, params: AssignParams | None = None
+) -> None:
+    """Load ``version`` (with its deployment's batch policy, threads and tenancy), then
+    mount the engine's own routes (vLLM's OpenAI API) on ``app`` if it has any."""
+    params = params or AssignParams()
+    policy = params.model_dump(exclude_none=True, exclude={"threads", "tenant_id", "uid", "gid"})
+    tenant = None
+    if params.tenant_id is not None:
+        tenant = Tenancy(params.tenant_id, params.uid, params.gid)
+    await replica.assign(version, policy, params.threads, tenant)
+    router = replica.engine.routes() if replica.engine and replica.state == "ready" else None
+    if router is not None:
+        app.include_router(router)
+
+
+def _lifespan(
+    replica: Replica, spec: VersionSpec | None
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """Tracing, the version's load (in the background: the probes answer meanwhile) and
+    the engine's metrics port for the app's life; the replica is closed at its end."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         traced = tracing.setup(replica.settings, "ember-engine")  # EMBER_OTEL_ENDPOINT
-        loading = asyncio.create_task(assign_and_mount(spec)) if spec is not None else None
+        loading = None
+        if spec is not None:
+            loading = asyncio.create_task(assign_and_mount(app, replica, spec))
         scraped = await serve_replica_metrics(replica, replica.settings.engine_metrics_port)
         try:
             yield
@@ -171,27 +197,36 @@ def create_replica_app(
             if traced:
                 tracing.shutdown()
 
-    app = ReplicaApp(title="Ember replica", lifespan=lifespan, openapi_url=None)
-    app.secret = secret.encode("latin-1") if secret else None
-    app.state.replica = replica
-    problems.install(app)
+    return lifespan
 
-    def headers() -> dict[str, str]:
-        s = replica.spec
-        base = {"X-Ember-Replica": replica.replica_id}
-        return base | ({"X-Ember-Model": s.model, "X-Ember-Version": s.version} if s else {})
 
-    async def run(
+def replica_headers(replica: Replica) -> dict[str, str]:
+    """Which replica answered, and with which version once it has one."""
+    s = replica.spec
+    base = {"X-Ember-Replica": replica.replica_id}
+    return base | ({"X-Ember-Model": s.model, "X-Ember-Version": s.version} if s else {})
+
+
+class Inference:
+    """``POST /infer``: the route (``router``) and the lean lane (``lean``), which share
+    ``answer``."""
+
+    def __init__(self, replica: Replica) -> None:
+        self.replica = replica
+
+    async def answer(
+        self,
         body: InferRequest | TensorBody,
         priority_header: str | None,
         timeout_ms: float | None,
         began: float,
     ) -> tuple[Any, dict[str, str]]:
-        """The answer to ``/infer`` and its headers (the route and the lean lane share it).
-        ``X-Ember-Queue-Ms``: time queued for a batch; ``X-Ember-Replica-Ms``: time from
-        the request's body read (``began``, ``perf_counter``) to the answer built, so a
-        caller can tell the replica's time from everything around it; ``Server-Timing``:
-        that time's parts (``server_timing``)."""
+        """The answer to ``/infer`` and its headers. ``X-Ember-Queue-Ms``: time queued
+        for a batch; ``X-Ember-Replica-Ms``: time from the request's body read
+        (``began``, ``perf_counter``) to the answer built, so a caller can tell the
+        replica's time from everything around it; ``Server-Timing``: that time's parts
+        (``server_timing``)."""
+        replica = self.replica
         try:
             default = "online" if isinstance(body, TensorBody) else body.priority
             priority = Priority.parse(priority_header or default)
@@ -214,22 +249,29 @@ def create_replica_app(
                   "version": replica.spec.version}  # fmt: skip
         queue_ms = f"{timing.get('queue_s', 0.0) * 1000:.3f}"
         replica_ms = f"{(time.perf_counter() - began) * 1000:.3f}"
-        return answer, headers() | {
+        return answer, replica_headers(replica) | {
             "X-Ember-Queue-Ms": queue_ms,
             "X-Ember-Replica-Ms": replica_ms,
             "Server-Timing": server_timing(timing, replica_ms),
         }
 
-    @app.post("/infer")
-    async def infer(
-        body: InferRequest, response: Response,
-        x_ember_priority: Annotated[str | None, Header()] = None,
-    ) -> dict[str, Any]:  # fmt: skip
-        answer, extra = await run(body, x_ember_priority, None, time.perf_counter())
-        response.headers.update(extra)
-        return dict(answer)
+    def router(self) -> APIRouter:
+        """The route, for what the lean lane leaves to it (a JSON body that does not
+        validate: FastAPI says why)."""
+        router = APIRouter()
 
-    async def lean_infer(scope: Scope, match: re.Match[str], raw: bytes) -> Answer | None:
+        @router.post("/infer")
+        async def infer(
+            body: InferRequest, response: Response,
+            x_ember_priority: Annotated[str | None, Header()] = None,
+        ) -> dict[str, Any]:  # fmt: skip
+            answer, extra = await self.answer(body, x_ember_priority, None, time.perf_counter())
+            response.headers.update(extra)
+            return dict(answer)
+
+        return router
+
+    async def lean(self, scope: Scope, match: re.Match[str], raw: bytes) -> Answer | None:
         """``/infer`` without FastAPI's routing and validation (the gateway's every hop);
         a JSON body that does not validate is left to the route, which says why. A tensor
         body (``ember.engine.tensorbody``) is only ever served here, errors included."""
@@ -248,7 +290,7 @@ def create_replica_app(
                 body = InferRequest.model_validate_json(raw)
             except ValueError:
                 return None
-        answer, extra = await run(body, priority, timeout_ms, began)
+        answer, extra = await self.answer(body, priority, timeout_ms, began)
         names = [(k.lower().encode(), v.encode("latin-1")) for k, v in extra.items()]
         if is_tensor(accept):  # the batch lane: no float-by-float encoding either way
             tensor = answer_body(answer["predictions"])
@@ -257,12 +299,12 @@ def create_replica_app(
         # pydantic's encoder, as FastAPI's for the route (NaN as null): ~6x json.dumps here
         return Answer(pydantic_core.to_json(answer, inf_nan_mode="null"), names)
 
-    max_bytes = replica.settings.max_request_bytes
-    app.add_lane(re.compile("/infer"), lean_infer, max_bytes=max_bytes, media=None)
-    app.add_middleware(BodyLimit, max_bytes=max_bytes)
-    app.add_middleware(RequestContext)
 
-    @app.get("/healthz")
+def probe_routes(replica: Replica) -> APIRouter:
+    """Liveness, readiness (the only routes served without the secret) and metrics."""
+    router = APIRouter()
+
+    @router.get("/healthz")
     async def healthz() -> JSONResponse:
         """Black-box liveness: a real forward pass when hot, at the highest priority."""
         if replica.state == "failed":
@@ -270,38 +312,45 @@ def create_replica_app(
         if replica.state == "ready":  # standby and loading are alive without a model
             await replica.probe()
         return JSONResponse({"status": "ok", "state": replica.state, "tier": replica.tier.value},
-                            headers=headers())  # fmt: skip
+                            headers=replica_headers(replica))  # fmt: skip
 
-    @app.get("/readyz")
+    @router.get("/readyz")
     async def readyz() -> JSONResponse:
         ready = replica.state == "ready" and replica.tier is Tier.hot
         body = {"ready": ready, "state": replica.state, "tier": replica.tier.value}
-        return JSONResponse(body, 200 if ready else 503, headers=headers())
+        return JSONResponse(body, 200 if ready else 503, headers=replica_headers(replica))
 
-    @app.get("/metrics")
+    @router.get("/metrics")
     async def metrics() -> Response:
         data = replica.metrics.render() if replica.metrics else b""
         if replica.engine is not None:
             data += replica.engine.metrics_text()
         return Response(data, media_type="text/plain; version=0.0.4")
 
-    @app.post("/tier")
+    return router
+
+
+def control_routes(replica: Replica) -> APIRouter:
+    """What the pools controller drives: the tier, a standby's assignment, the info."""
+    router = APIRouter()
+
+    @router.post("/tier")
     async def tier(body: TierRequest) -> dict[str, Any]:
         await replica.set_tier(body.tier)
         return replica.info()
 
-    @app.post("/assign")
+    @router.post("/assign")
     async def assign(
         body: VersionSpec, request: Request, params: Annotated[AssignParams, Query()]
     ) -> JSONResponse:
         """Give a standby process its version (and, in the query, its deployment's batch
         policy and threads); answers once it is loaded (or failed)."""
-        await assign_and_mount(body, params)
+        await assign_and_mount(request.app, replica, body, params)
         status = 200 if replica.state == "ready" else 503
         return JSONResponse(replica.info(), status)
 
-    @app.get("/info")
+    @router.get("/info")
     async def info() -> dict[str, Any]:
         return replica.info()
 
-    return app
+    return router

@@ -18,9 +18,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ember.config import Settings
-from ember.engine.spec import VersionSpec
+from ember.domain.manifest import SIDECARS
+from ember.domain.spec import VersionSpec
 from ember.errors import ArtifactError, InvalidInput, ObjectNotFound
-from ember.loader.manifest import SIDECARS
 from ember.loader.stores import join_uri, open_store
 from ember.logs import get_logger
 

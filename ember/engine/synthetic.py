@@ -11,8 +11,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ember.domain.spec import Tier
 from ember.engine.base import Engine, Sized, register_engine
-from ember.engine.spec import Tier
 from ember.errors import InvalidInput
 
 

@@ -6,7 +6,7 @@ engine_config::
 
 The factory must match ``EMBER_ENGINE_FACTORIES`` (and be defined in its module) unless
 the version's tenant is trusted: checked before the module is imported
-(``ember.registry.trust``).
+(``ember.domain.trust``).
 
 input_schema (optional, checked per instance)::
 
@@ -27,12 +27,12 @@ import torch
 from pydantic import ValidationError
 
 from ember.config import Settings
+from ember.domain.spec import Tier, TorchOptions, VersionSpec
+from ember.domain.trust import check_defined_in_module, check_factory, check_factory_kwargs
 from ember.engine.base import Sized, import_object, register_engine
-from ember.engine.spec import Tier, TorchOptions, VersionSpec
 from ember.engine.weights import ModuleEngine, build_and_load
 from ember.errors import InvalidInput
 from ember.logs import get_logger
-from ember.registry.trust import check_defined_in_module, check_factory, check_factory_kwargs
 
 log = get_logger(__name__)
 DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64,

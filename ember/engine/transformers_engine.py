@@ -27,10 +27,10 @@ import torch
 from pydantic import ValidationError
 
 from ember.config import Settings
+from ember.domain.spec import Tier, TransformersOptions, VersionSpec
 from ember.engine import packed
 from ember.engine.base import Sized, register_engine
 from ember.engine.sidecars import fetch_sidecars
-from ember.engine.spec import Tier, TransformersOptions, VersionSpec
 from ember.engine.weights import ModuleEngine, build_and_load
 from ember.errors import InvalidInput
 from ember.logs import get_logger

@@ -22,7 +22,7 @@ engine_config (all optional)::
      "enforce_eager": true, "max_num_seqs": 64, "max_tokens": 16,
      "vllm_args": {"max-num-batched-tokens": 2048}}
 
-``vllm_args`` takes vLLM's tuning flags only (``ember.registry.trust.VLLM_ARGS``, plus
+``vllm_args`` takes vLLM's tuning flags only (``ember.domain.trust.VLLM_ARGS``, plus
 ``EMBER_VLLM_ARGS_ALLOWED``; a trusted tenant any), never the flags Ember sets (the
 model path, ``--load-format ember``, the worker extension, ...): checked at registration
 and again here, before vLLM starts.
@@ -52,13 +52,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ember.config import Settings
+from ember.domain.spec import Priority, Tier, VersionSpec, VllmOptions
+from ember.domain.trust import check_vllm_args, vllm_flag
 from ember.engine.base import Engine, Sized, register_engine
 from ember.engine.sidecars import fetch_sidecars
-from ember.engine.spec import Priority, Tier, VersionSpec, VllmOptions
 from ember.errors import EngineError, InvalidInput, NotReady
 from ember.loader.report import LoadReport, Stage
 from ember.logs import get_logger, model_context
-from ember.registry.trust import check_vllm_args, vllm_flag
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -108,7 +108,7 @@ def vllm_argv(
     allowed: Iterable[str] = (),
 ) -> list[str]:
     """The ``vllm serve`` arguments for one version (parsed by vLLM's own parser): Ember's
-    own, then ``vllm_args`` — each allowlisted (``ember.registry.trust``; ``allowed``: the
+    own, then ``vllm_args`` — each allowlisted (``ember.domain.trust``; ``allowed``: the
     operator's ``EMBER_VLLM_ARGS_ALLOWED``), none of Ember's own, as ``--flag=value``."""
     check_vllm_args(opts.vllm_args, allowed, spec.trusted)
     on_cpu = device == "cpu"

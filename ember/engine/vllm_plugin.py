@@ -30,9 +30,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from ember.config import Settings
-from ember.engine.spec import VersionSpec
+from ember.domain.manifest import ManifestFile
+from ember.domain.spec import VersionSpec
 from ember.errors import ArtifactError
-from ember.loader.manifest import ManifestFile
 from ember.logs import bind_process, configure_logging, get_logger, model_context
 
 LOAD_FORMAT = "ember"

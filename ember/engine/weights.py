@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ember.config import Settings
+from ember.domain.spec import Tier, VersionSpec
 from ember.engine.base import Engine
-from ember.engine.spec import Tier, VersionSpec
 from ember.errors import ArtifactError
 from ember.loader.load import LoadedWeights, WeightLoader
 

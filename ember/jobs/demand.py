@@ -46,14 +46,12 @@ class QueuedDemand:
 
 
 def attach(app: FastAPI, settings: Settings) -> None:
-    """At API start: the job publisher, and the queue depth hook for the autoscaler."""
+    """At API start: the job publisher (the pools controller is given a ``QueuedDemand``
+    at construction, ``ember.api.app.start_pools``)."""
     from ember.jobs.queue import Publisher
 
     app.state.job_publisher = Publisher(settings)
     app.state.job_publisher.warm()
-    gateway = getattr(app.state, "gateway", None)
-    if gateway is not None:
-        gateway.controller.async_demand = QueuedDemand(app.state.engine)
 
 
 def detach(app: FastAPI) -> None:

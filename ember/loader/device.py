@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ember.domain.safetensors import DTYPE_BITS, PREFIX_BYTES, Header, TensorSpec
 from ember.errors import ArtifactError, LoaderError, ObjectChanged
 from ember.loader.pagecache import (
     DIRECT_ALIGN,
@@ -51,7 +52,6 @@ from ember.loader.pagecache import (
     populate_range,
     resident_pages,
 )
-from ember.loader.safetensors import DTYPE_BITS, PREFIX_BYTES, Header, TensorSpec
 from ember.logs import submit_in_context
 
 if TYPE_CHECKING:

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ember.domain.manifest import INDEX_SUFFIX, SIDECARS, is_index, is_shard
 from ember.errors import ArtifactError, InvalidInput, ObjectNotFound
-from ember.loader.manifest import INDEX_SUFFIX, SIDECARS, is_index, is_shard
 from ember.loader.upload import LocalFile, list_directory
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")

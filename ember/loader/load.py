@@ -38,19 +38,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ember.config import Settings
+from ember.domain.manifest import Manifest
+from ember.domain.safetensors import PREFIX_BYTES, Header, parse_header, read_header_len
 from ember.errors import ArtifactError, LoaderError
 from ember.loader.cache import CacheKey, FillResult, Pin, WeightCache
-from ember.loader.manifest import Manifest
 from ember.loader.pagecache import RESERVE, PinnedFile, fully_resident
 from ember.loader.report import CacheOutcome, LoadReport
-from ember.loader.safetensors import PREFIX_BYTES, Header, parse_header, read_header_len
 from ember.loader.stores import ObjectInfo, ObjectStore, join_uri, open_store
 from ember.logs import model_context
 
 if TYPE_CHECKING:
     import torch
 
-    from ember.engine.spec import VersionSpec
+    from ember.domain.spec import VersionSpec
     from ember.loader.device import Destinations
 
 Targets = Mapping[str, "torch.Tensor"]

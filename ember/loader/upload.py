@@ -53,9 +53,9 @@ from typing import Any, TypeVar
 from urllib.parse import quote
 
 from ember.config import Settings
+from ember.domain.manifest import ManifestFile, check_path, check_structure, hidden
+from ember.domain.safetensors import PREFIX_BYTES, Header, parse_header, read_header_len
 from ember.errors import ArtifactError, InvalidInput, ObjectNotFound, StoreAccessDenied
-from ember.loader.manifest import ManifestFile, check_path, check_structure, hidden
-from ember.loader.safetensors import PREFIX_BYTES, Header, parse_header, read_header_len
 from ember.loader.stores import FileStore, ObjectStore, S3Store, join_uri, translate_s3_errors
 from ember.logs import get_logger, submit_in_context
 

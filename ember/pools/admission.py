@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from ember.engine.spec import Priority
+from ember.domain.spec import Priority
 from ember.errors import BackPressure
 
 #: Share of the replicas' queue (in-flight units) each class may fill before it is refused:

@@ -73,23 +73,16 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from enum import StrEnum
 from statistics import NormalDist
 from typing import Any, Generic, TypeVar
 from zoneinfo import ZoneInfo
 
+from ember.domain.spec import Source, Tier
 from ember.logs import get_logger, model_context
 from ember.registry.schemas import PoolPolicy
 
 _EPS = 1e-9
 _DAY_S = 86_400.0
-
-
-class Tier(StrEnum):
-    HOT = "hot"
-    WARM = "warm"
-    STANDBY = "standby"
-    COLD = "cold"
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,10 +116,10 @@ class PromotionTimes:
     """Nothing alive: spawn, imports, load from the NVMe cache (7.9 s measured; 17.0 s when
     the cache is empty and the object store fills it)."""
 
-    def of(self, tier: Tier) -> float:
-        if tier is Tier.HOT:
-            return 0.0
-        return {Tier.WARM: self.warm_s, Tier.STANDBY: self.standby_s, Tier.COLD: self.cold_s}[tier]
+    def of(self, source: Source) -> float:
+        """Seconds to serving from ``source``."""
+        return {Source.warm: self.warm_s, Source.standby: self.standby_s,
+                Source.cold: self.cold_s}[source]  # fmt: skip
 
     def describe(self) -> str:
         return f"warm {self.warm_s:g} s, standby {self.standby_s:g} s, cold {self.cold_s:g} s"
@@ -510,23 +503,23 @@ class Stage:
     tier: Tier
     """The slowest tier of the stage: ``hot`` covers hot alone, ``warm`` hot + warm,
     ``standby`` hot + warm + standby."""
-    source: Tier
-    """The tier it is filled from."""
+    source: Source
+    """Where it is filled from."""
     promotion_s: float
     horizon_s: float
     forecast_units_per_s: float
     replicas: int
 
 
-_STAGE_NAMES = {Tier.HOT: "hot", Tier.WARM: "hot+warm", Tier.STANDBY: "hot+warm+standby"}
+_STAGE_NAMES = {Tier.hot: "hot", Tier.warm: "hot+warm", Tier.standby: "hot+warm+standby"}
 
 
-def _source_tier(obs: Observation) -> Tier:
+def _source_tier(obs: Observation) -> Source:
     if obs.ready.warm > 0:
-        return Tier.WARM
+        return Source.warm
     if obs.ready.standby > 0:
-        return Tier.STANDBY
-    return Tier.COLD
+        return Source.standby
+    return Source.cold
 
 
 def _stages(
@@ -538,21 +531,21 @@ def _stages(
     ``EmberConfig.uses_warm``) is skipped: the tier above covers its horizon. Hot looks at
     least as far ahead as the tier it would actually promote from now."""
     p = obs.promotion
-    below_warm = Tier.STANDBY if cfg.uses_standby else Tier.COLD
-    below_hot = Tier.WARM if cfg.uses_warm else below_warm
+    below_warm = Source.standby if cfg.uses_standby else Source.cold
+    below_hot = Source.warm if cfg.uses_warm else below_warm
     source = _source_tier(obs)
     hot_from = source if p.of(source) > p.of(below_hot) else below_hot
     per = max(obs.capacity_units_per_s, _EPS) * cfg.target_utilization
 
-    def stage(tier: Tier, source: Tier, floor_s: float = 0.0) -> Stage:
+    def stage(tier: Tier, source: Source, floor_s: float = 0.0) -> Stage:
         promo = max(p.of(source), floor_s)
         horizon = promo * (1.0 + cfg.stage_margin) + cfg.tick_s
         f = fc.quantile(now, horizon, cfg)
         return Stage(tier, source, promo, horizon, f, _ceil(f / per))
 
-    hot = stage(Tier.HOT, hot_from)
-    warm = stage(Tier.WARM, below_warm, hot.promotion_s)
-    total = stage(Tier.STANDBY, Tier.COLD, warm.promotion_s)
+    hot = stage(Tier.hot, hot_from)
+    warm = stage(Tier.warm, below_warm, hot.promotion_s)
+    total = stage(Tier.standby, Source.cold, warm.promotion_s)
     return hot, warm, total
 
 

@@ -24,12 +24,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import httpx
 from sqlalchemy import Engine, func
 from sqlalchemy import select as sa_select
 from sqlmodel import col, select
 
-from ember.costmodel import CostModel, hardware_key
+from ember.costmodel import hardware_key
+from ember.domain.spec import (
+    STANDBY_POOL,
+    DeploymentKey,
+    ReplicaState,
+    Source,
+    Tier,
+    VersionSpec,
+)
 from ember.errors import NotReady
 from ember.loader.pagecache import whole_huge_pages
 from ember.logs import get_logger, model_context
@@ -38,12 +45,8 @@ from ember.pools.autoscaler import (
     EmberConfig,
     EmberState,
     Observation,
-    PromotionTimes,
-    StandbyPoolConfig,
-    StandbyPoolState,
     TierCounts,
     ember_autoscaler,
-    size_standby_pool,
     state_from_dict,
     state_to_dict,
 )
@@ -54,6 +57,7 @@ from ember.pools.backends.base import (
     ReplicaHandle,
 )
 from ember.pools.demand import ForecastStore, SharedDemand
+from ember.pools.learners import PromotionLearner, StandbySizer
 from ember.pools.metrics import PoolMetrics
 from ember.pools.plan import (
     Actions,
@@ -62,9 +66,8 @@ from ember.pools.plan import (
     all_ready,
     hot_target,
     plan,
-    standby_pool_size,
 )
-from ember.pools.router import Route
+from ember.pools.replica_control import ReplicaControl
 from ember.pools.warmtier import SharedWarmTier
 from ember.registry import catalog
 from ember.registry.db import session_scope
@@ -77,6 +80,8 @@ from ember.registry.tables import (
     Tenant,
     VersionStatus,
 )
+from ember.serving.router import Route
+from ember.serving.routing import DeploymentView, Lane, RoutingTable
 
 if TYPE_CHECKING:
     from ember.config import Settings
@@ -104,12 +109,12 @@ class ProbeSettings:
 @dataclass
 class ManagedReplica:
     handle: ReplicaHandle
-    key: tuple[int, str]
-    """(tenant id, deployment name); standby processes have (0, "")."""
+    key: DeploymentKey
+    """Its deployment; :data:`~ember.domain.spec.STANDBY_POOL` for a standby process."""
     model: str
     version: str
-    state: str = "starting"
-    tier: str = "hot"
+    state: ReplicaState = ReplicaState.starting
+    tier: Tier = Tier.hot
     reason: str | None = None
     started_at: float = field(default_factory=time.monotonic)
     ready_at: float | None = None
@@ -120,67 +125,35 @@ class ManagedReplica:
     detected_after_s: float | None = None
     adopted: bool = False
     """Found running (a follower's view, or taken over on election), not launched here."""
-    source: str = "cold"
-    """How it was started: ``cold`` (a new process) or ``standby`` (a standby one assigned)."""
-    then_tier: str | None = None
+    source: Source = Source.cold
+    """How it was started: ``cold`` (a new process), ``standby`` (a standby one assigned) or
+    ``warm`` (a standby one assigned a version the shared warm tier holds)."""
+    then_tier: Tier | None = None
     """``warm``: a warm spare started from nothing, demoted to warm once loaded."""
     queued: str | None = None
     """Why the backend has not started it yet (waiting for GPUs): ``starting`` to the
     controller (counted as on its way), ``queued`` with this reason in its listing."""
 
-    def public(self) -> dict[str, Any]:
+    def __post_init__(self) -> None:  # plain values (tests, the backend's records): typed
+        self.key = DeploymentKey(*self.key)
+        self.state, self.tier = ReplicaState(self.state), Tier(self.tier)
+        self.source = Source(self.source)
+        self.then_tier = None if self.then_tier is None else Tier(self.then_tier)
+
+    def public(self, inflight_units: float = 0.0) -> dict[str, Any]:
         return {
             "replica_id": self.handle.replica_id,
             "model": self.model,
             "version": self.version,
-            "state": "queued" if self.queued else self.state,
+            "state": ReplicaState.queued if self.queued else self.state,
             "tier": self.tier,
             "reason": self.queued or self.reason,
             "pid": self.handle.pid,
             "port": self.handle.port,
             "url": self.handle.url,
-            "inflight_units": self.route.inflight_units if self.route else 0.0,
+            "inflight_units": inflight_units,
             "uptime_s": round(time.monotonic() - self.started_at, 3),
         }
-
-
-@dataclass
-class DeploymentView:
-    tenant_id: int
-    name: str
-    model: str
-    traffic: dict[str, int]
-    policy: PoolPolicy
-    specs: dict[str, dict[str, Any]]
-    fallback: list[str]
-    pinned: list[str] = field(default_factory=list)
-    """Versions that running batch runs were pinned to: served (one hot replica each)
-    until those runs end, even after a promote moved the traffic elsewhere."""
-    sizes: dict[str, int] = field(default_factory=dict)
-    """Artifact bytes per version (where known)."""
-
-    _costs: dict[str, CostModel] = field(default_factory=dict, init=False, repr=False,
-                                         compare=False)  # fmt: skip
-
-    def cost(self, version: str) -> CostModel:
-        """The version's cost model (made once per view: the gateway asks per request)."""
-        model = self._costs.get(version)
-        if model is None:
-            model = CostModel.from_dict(self.specs.get(version, {}).get("cost"))
-            self._costs[version] = model
-        return model
-
-    @property
-    def production(self) -> str | None:
-        """The version with the most traffic (ties: the highest name)."""
-        live = [(w, v) for v, w in self.traffic.items() if w > 0 and v in self.specs]
-        return max(live)[1] if live else None
-
-    def capacity_units_per_s(self, version: str) -> float:
-        """One hot replica's throughput: calibrated, else assume a full batch per second."""
-        if self.specs.get(version, {}).get("cost"):
-            return self.cost(version).capacity_units_per_s
-        return float(self.policy.max_batch_size) * self.cost(version).cost(1)
 
 
 class PoolsController:
@@ -198,6 +171,11 @@ class PoolsController:
         autoscale: dict[str, Any] | None = None,
         fill_warm: bool = False,
         standby_reserve_max: int = 0,
+        async_demand: Callable[[], dict[tuple[int, str], float]] | None = None,
+        shared_demand: SharedDemand | None = None,
+        forecast_store: ForecastStore | None = None,
+        warm_tier: SharedWarmTier | None = None,
+        history: History | None = None,
     ) -> None:
         self.db = db
         self.standby_reserve_max = standby_reserve_max
@@ -206,34 +184,32 @@ class PoolsController:
         self.leader = leader
         self.leading = leader is None
         self._lease_checked = -math.inf
-        self.standby_pool = standby_pool
-        """Standby processes kept now: the floor, grown by ``_standby_asked``."""
-        self.standby_floor = standby_pool
-        self.standby_max = standby_pool if standby_max is None else standby_max
-        self.standby_state = StandbyPoolState()
-        self.standby_spawn_s: list[float] = []
-        """Seconds a standby process took to be ready (the last 50): the pool's refill time."""
+        self.standby = StandbySizer(standby_pool, standby_max)
+        """The shared standby pool's size: the floor, grown by the starts that ask for one."""
         self.probe_settings = probe or ProbeSettings()
         self.tick_s = tick_s
         self.max_restarts = max_restarts
         self.replicas: dict[str, ManagedReplica] = {}
-        self.deployments: dict[tuple[int, str], DeploymentView] = {}
-        self.failures: dict[tuple[tuple[int, str], str], int] = {}
+        self.deployments: dict[DeploymentKey, DeploymentView] = {}
+        self.failures: dict[tuple[DeploymentKey, str], int] = {}
         self.events: list[dict[str, Any]] = []
+        self.table = RoutingTable()
+        """What the serving side routes by (``publish``); it counts in-flight units there."""
         self.metrics = PoolMetrics()
         backend.register_metrics(self.metrics.registry)
         self.hardware = hardware_key("cpu")
-        self._http = httpx.AsyncClient(timeout=self.probe_settings.timeout_s)
+        self.replica_api = ReplicaControl.with_timeout(self.probe_settings.timeout_s)
+        """The replicas' control endpoints (``/info``, ``/healthz``, ``/tier``, ``/assign``)."""
         self._task: asyncio.Task[None] | None = None
         self._assigning: set[asyncio.Task[None]] = set()
         # The predictive autoscaler (the same code the simulator replays) per production
         # version, fed with what the gateway saw since the last step.
-        self.scalers: dict[tuple[tuple[int, str], str], Autoscaler[EmberState, EmberConfig]] = {}
-        self.targets: dict[tuple[tuple[int, str], str], TierCounts] = {}
-        self.demand: dict[tuple[tuple[int, str], str], list[float]] = {}
-        # Seconds to serving, per tier promoted from (the last 50 of each): the autoscaler's
-        # lead is their p95 (PromotionTimes' measured defaults until a tier has samples).
-        self.promotion_s: dict[str, list[float]] = {"warm": [], "standby": [], "cold": []}
+        self.scalers: dict[tuple[DeploymentKey, str], Autoscaler[EmberState, EmberConfig]] = {}
+        self.targets: dict[tuple[DeploymentKey, str], TierCounts] = {}
+        self.demand: dict[tuple[DeploymentKey, str], list[float]] = {}
+        # Seconds to serving, per tier promoted from: the autoscaler's lead is their p95
+        # (PromotionTimes' measured defaults until a tier has samples).
+        self.promotion = PromotionLearner()
         self._promotion_restored = False
         self.fill_warm = fill_warm
         """Start replicas into the warm tier when the autoscaler wants more warm ones than
@@ -246,7 +222,7 @@ class PoolsController:
         # version is wanted hot (at least one) until this monotonic time — a start's worth,
         # then, once ready, the idle hold — after which the autoscaler, having seen the
         # demand, decides.
-        self.woken: dict[tuple[tuple[int, str], str], float] = {}
+        self.woken: dict[tuple[DeploymentKey, str], float] = {}
         self.registry_every_s = 1.0
         self._last_read = self._last_full_read = -math.inf
         self._fingerprint: tuple[Any, ...] | None = None
@@ -254,21 +230,23 @@ class PoolsController:
         # The job queue's hook (ember.jobs.demand): (tenant id, deployment) -> model units
         # of unfinished async jobs, read in a thread with the registry; added to the
         # production version's queued units, so a backlog scales the pool to drain it.
-        self.async_demand: Callable[[], dict[tuple[int, str], float]] | None = None
+        self.async_demand = async_demand
         # Several API processes (a leader election): followers push the demand their
         # gateways counted, the leader adds it to its own before each autoscaler step.
-        self.shared_demand: SharedDemand | None = None
+        self.shared_demand = shared_demand
         self.async_queued: dict[tuple[int, str], float] = {}
         # The autoscalers' state (a learned daily profile) in Redis: saved every
         # ``state_every_s``, restored by whichever controller acts next (restart, new leader).
-        self.forecast_store: ForecastStore | None = None
+        self.forecast_store = forecast_store
         self.state_every_s = 10.0
         self._state_saved = time.monotonic()
         # The shared warm tier (local backend, EMBER_WARM_SET_BYTES): versions with no ready
         # replica held in host RAM, so a standby process loads them from the page cache.
-        self.warm_tier: SharedWarmTier | None = None
+        self.warm_tier = warm_tier
+        if warm_tier is not None:
+            warm_tier.register_metrics(self.metrics.registry)
         # What the dashboard plots (ember.pools.history): sampled by the acting controller.
-        self.history: History | None = None
+        self.history = history
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -291,7 +269,7 @@ class PoolsController:
         else:
             for replica in list(self.replicas.values()):
                 await asyncio.to_thread(self.backend.stop, replica.handle, 5.0)
-        await self._http.aclose()
+        await self.replica_api.aclose()
         if self.shared_demand is not None:
             self.shared_demand.close()
         if self.warm_tier is not None:
@@ -320,6 +298,7 @@ class PoolsController:
         await self._save_states()
         self._carry_out()
         self._keep_standby()
+        self.publish()
         if self.warm_tier is not None:
             self.warm_tier.tick(self)
         self.metrics.observe(self)
@@ -430,15 +409,17 @@ class PoolsController:
         self._sync_observed(observed, prune=True)
         ready = {o.handle.replica_id for o in observed if o.ready}
         for replica in self.replicas.values():
-            if replica.state == "ready" and replica.handle.replica_id not in ready:
-                replica.state, replica.route = "starting", None  # demoted, draining, unready
+            if replica.state is ReplicaState.ready and replica.handle.replica_id not in ready:
+                replica.state, replica.route = ReplicaState.starting, None  # demoted, unready
+        self.publish()
         await asyncio.gather(
             *(
                 self._check_one(r)
                 for r in self.replicas.values()
-                if r.state == "starting" and r.handle.replica_id in ready
+                if r.state is ReplicaState.starting and r.handle.replica_id in ready
             )
         )
+        self.publish()
         self.metrics.observe(self)
 
     def _sync_observed(self, observed: list[ObservedReplica], prune: bool) -> None:
@@ -448,7 +429,8 @@ class PoolsController:
         for o in observed:
             seen.add(o.handle.replica_id)
             if o.handle.replica_id not in self.replicas:
-                key, tier = (o.tenant_id, o.deployment), "hot" if o.deployment else "standby"
+                key = DeploymentKey(o.tenant_id, o.deployment) if o.deployment else STANDBY_POOL
+                tier = Tier.standby if key.standby_pool else Tier.hot
                 replica = ManagedReplica(o.handle, key, o.model, o.version, tier=tier)
                 replica.adopted = True
                 self.replicas[o.handle.replica_id] = replica
@@ -458,19 +440,20 @@ class PoolsController:
 
     # --- registry -----------------------------------------------------------------------
 
-    def _read_registry(self) -> dict[tuple[int, str], DeploymentView]:
-        views: dict[tuple[int, str], DeploymentView] = {}
+    def _read_registry(self) -> dict[DeploymentKey, DeploymentView]:
+        views: dict[DeploymentKey, DeploymentView] = {}
         with session_scope(self.db) as session:
-            pins: dict[tuple[int, str], set[str]] = {}
+            pins: dict[DeploymentKey, set[str]] = {}
             for run in session.exec(select(BatchRun).where(BatchRun.status == "running")):
-                pins.setdefault((run.tenant_id, run.deployment), set()).add(run.version)
+                run_key = DeploymentKey(run.tenant_id, run.deployment)
+                pins.setdefault(run_key, set()).add(run.version)
             tenants = {t.id: t for t in session.exec(select(Tenant)) if t.id is not None}
             self.metrics.tenant_names = {i: t.name for i, t in tenants.items()}
             for d in session.exec(select(Deployment)):
                 model = session.get(Model, d.model_id)
                 if model is None:
                     continue
-                pinned = pins.get((d.tenant_id, d.name), set())
+                pinned = pins.get(DeploymentKey(d.tenant_id, d.name), set())
                 wanted = {v for v, w in d.traffic.items() if w > 0} | set(d.fallback) | pinned
                 rows = [
                     r
@@ -485,9 +468,12 @@ class PoolsController:
                 tenant = tenants.get(d.tenant_id)  # trusted: replicas skip code checks
                 trusted = {"trusted": bool(tenant is not None and tenant.trusted)}
                 specs = {
-                    r.version: catalog.version_spec(model, r, self.hardware) | trusted for r in rows
+                    r.version: VersionSpec.model_validate(
+                        catalog.version_spec(model, r, self.hardware) | trusted
+                    )
+                    for r in rows
                 }
-                views[(d.tenant_id, d.name)] = DeploymentView(
+                views[DeploymentKey(d.tenant_id, d.name)] = DeploymentView(
                     d.tenant_id,
                     d.name,
                     model.name,
@@ -508,8 +494,8 @@ class PoolsController:
             "replica_id": replica.handle.replica_id,
             "model": replica.model,
             "version": replica.version,
-            "tenant_id": replica.key[0],
-            "deployment": replica.key[1],
+            "tenant_id": replica.key.tenant_id,
+            "deployment": replica.key.name,
             "at": time.time(),
             **fields,
         }
@@ -518,18 +504,21 @@ class PoolsController:
             log.info(f"replica {kind}", **fields)
 
     def _fail(self, replica: ManagedReplica, reason: str) -> None:
-        replica.state, replica.reason = "failed", reason
+        replica.state, replica.reason = ReplicaState.failed, reason
         if self.leading:  # a follower only forgets it; the acting controller replaces it
             self.backend.kill(replica.handle)  # nothing to drain, a hung one gets no grace
         self.replicas.pop(replica.handle.replica_id, None)
-        if replica.key[1]:
+        if not replica.key.standby_pool:
             key = (replica.key, replica.version)
             self.failures[key] = self.failures.get(key, 0) + 1
+        self.publish()
         self._event("failed", replica, reason=reason)
 
     def _reap_exited(self) -> None:
         for replica in list(self.replicas.values()):
-            if replica.state == "draining":  # being stopped: its exit is the plan, no failure
+            if (
+                replica.state is ReplicaState.draining
+            ):  # being stopped: its exit is the plan, no failure
                 continue
             status = self.backend.exited(replica.handle)
             if status is not None:
@@ -538,7 +527,7 @@ class PoolsController:
                 self._fail(replica, reason or f"process exited with status {status}")
 
     async def _check_starting(self) -> None:
-        starting = [r for r in self.replicas.values() if r.state == "starting"]
+        starting = [r for r in self.replicas.values() if r.state is ReplicaState.starting]
         for replica in starting:
             self._note_queued(replica)
         await asyncio.gather(*(self._check_one(r) for r in starting if r.queued is None))
@@ -555,40 +544,40 @@ class PoolsController:
         replica.queued = waiting
 
     async def _check_one(self, replica: ManagedReplica) -> None:
-        try:
-            url, auth = f"{replica.handle.url}/info", replica.handle.auth
-            info = (await self._http.get(url, headers=auth)).json()
-        except (httpx.HTTPError, ValueError):
+        info = await self.replica_api.info(replica.handle)
+        if info is None:
             return  # not listening yet
         if info.get("state") == "failed":
             self._fail(replica, info.get("failure") or "load failed")
             return
-        want = "standby" if not replica.key[1] else "ready"
-        if replica.adopted and want == "ready" and info.get("state") == want:
-            replica.tier = str(info.get("tier") or "hot")  # a warm one stays warm
-        if info.get("state") == want and (want == "standby" or info.get("tier") == replica.tier):
-            replica.state = "ready" if replica.key[1] else "standby"
+        spare = replica.key.standby_pool
+        want = ReplicaState.standby if spare else ReplicaState.ready
+        if replica.adopted and not spare and info.get("state") == want:
+            replica.tier = Tier(info.get("tier") or Tier.hot)  # a warm one stays warm
+        if info.get("state") == want and (spare or info.get("tier") == replica.tier):
+            replica.state = want
             replica.ready_at = time.monotonic()
             replica.last_ok = replica.ready_at
-            if not replica.key[1] and not replica.adopted:
+            if spare and not replica.adopted:
                 spawn = replica.ready_at - replica.started_at
-                self.standby_spawn_s = [*self.standby_spawn_s[-49:], spawn]
+                self.standby.spawned(spawn)
             if (replica.key, replica.version) in self.woken:  # serve the wake-up, then scale
                 idle_hold = self.autoscale_knobs.get("idle_hold_s", WAKE_HOLD_S)
                 self.woken[(replica.key, replica.version)] = replica.ready_at + idle_hold
-            if replica.key[1] and replica.tier == "hot" and replica.then_tier == "warm":
+            if not spare and replica.tier is Tier.hot and replica.then_tier is Tier.warm:
                 replica.then_tier = None  # a warm spare: loaded, now demoted (not routed)
-                self._change_tier(replica, "warm")
-            elif replica.key[1] and replica.tier == "hot":
+                self._change_tier(replica, Tier.warm)
+            elif not spare and replica.tier is Tier.hot:
                 replica.route = Route(
                     replica.handle.replica_id, replica.handle.url, replica.version,
                     secret=replica.handle.secret,
                 )  # fmt: skip
-            if replica.key[1] and not replica.adopted:
+            if not spare and not replica.adopted:
                 took = replica.ready_at - replica.started_at
                 self.metrics.cold_start.labels(*self.metrics.of_replica(replica)).observe(took)
-                self._promoted(replica.source, took)
+                self.promotion.record(replica.source, took)
                 self.failures.pop((replica.key, replica.version), None)
+            self.publish()
             self._event("ready", replica, startup_s=round(replica.ready_at - replica.started_at, 3),
                         load=(info.get("load_report") or {}).get("stages"))  # fmt: skip
 
@@ -597,17 +586,13 @@ class PoolsController:
         idle = [
             r
             for r in self.replicas.values()
-            if r.state in ("ready", "standby") and now - r.last_ok >= self.probe_settings.idle_s
+            if r.state in (ReplicaState.ready, ReplicaState.standby)
+            and now - r.last_ok >= self.probe_settings.idle_s
         ]
         await asyncio.gather(*(self._probe_one(r) for r in idle))
 
     async def _probe_one(self, replica: ManagedReplica) -> None:
-        try:
-            response = await self._http.get(f"{replica.handle.url}/healthz")
-            ok = response.status_code == 200
-        except httpx.HTTPError:
-            ok = False
-        if ok:
+        if await self.replica_api.healthy(replica.handle):
             replica.probe_failures, replica.last_ok = 0, time.monotonic()
             return
         replica.probe_failures += 1
@@ -632,7 +617,7 @@ class PoolsController:
         autoscaler's for production, a proportional share of the floor for a canary; one
         each for the ladder's fallback rung and versions pinned by running batch runs."""
         policy = view.policy
-        key = (view.tenant_id, view.name)
+        key = view.key
         now = time.monotonic()
         out: dict[str, int] = {}
         for version, weight in view.traffic.items():
@@ -652,23 +637,26 @@ class PoolsController:
                 out[version] = 1
         return out
 
-    def inventory(self, key: tuple[int, str], version: str) -> Inventory:
+    def inventory(self, key: DeploymentKey, version: str) -> Inventory:
         """The version's replicas by state, as :func:`~ember.pools.plan.plan` counts them."""
         mine = [r for r in self.replicas.values() if r.key == key and r.version == version]
         return Inventory(
-            hot=sum(1 for r in mine if r.state == "ready" and r.tier == "hot"),
-            warm=sum(1 for r in mine if r.state == "ready" and r.tier == "warm"),
+            hot=sum(1 for r in mine if r.state is ReplicaState.ready and r.tier is Tier.hot),
+            warm=sum(1 for r in mine if r.state is ReplicaState.ready and r.tier is Tier.warm),
             starting_hot=sum(
                 1
                 for r in mine
-                if r.state == "promoting" or (r.state == "starting" and r.then_tier is None)
+                if r.state is ReplicaState.promoting
+                or (r.state is ReplicaState.starting and r.then_tier is None)
             ),
-            promoting=sum(1 for r in mine if r.state == "promoting"),
-            starting_warm=sum(1 for r in mine if r.state == "starting" and r.then_tier == "warm"),
-            demoting=sum(1 for r in mine if r.state == "demoting"),
+            promoting=sum(1 for r in mine if r.state is ReplicaState.promoting),
+            starting_warm=sum(
+                1 for r in mine if r.state is ReplicaState.starting and r.then_tier is Tier.warm
+            ),
+            demoting=sum(1 for r in mine if r.state is ReplicaState.demoting),
         )
 
-    def plans(self, key: tuple[int, str]) -> dict[str, tuple[Inventory, Target, Actions]]:
+    def plans(self, key: DeploymentKey) -> dict[str, tuple[Inventory, Target, Actions]]:
         """What to do for each version of a deployment (or of one deleted: stop it all)."""
         view = self.deployments.get(key)
         wanted = self.desired(view) if view is not None else {}
@@ -698,25 +686,30 @@ class PoolsController:
     def _carry_out(self) -> None:
         """Every deployment's plan, carried out: which replicas move is chosen here (the
         least loaded, then the newest, steps down first)."""
-        keys = set(self.deployments) | {r.key for r in self.replicas.values() if r.key[1]}
+        keys = set(self.deployments) | {
+            r.key for r in self.replicas.values() if not r.key.standby_pool
+        }
         for key in sorted(keys):
             for version, (_, _, actions) in self.plans(key).items():
                 if actions:
                     self._act(key, version, actions)
 
-    def _act(self, key: tuple[int, str], version: str, actions: Actions) -> None:
+    def _act(self, key: DeploymentKey, version: str, actions: Actions) -> None:
         mine = [r for r in self.replicas.values() if r.key == key and r.version == version]
 
         def least_busy(rs: list[ManagedReplica]) -> list[ManagedReplica]:
             return sorted(
-                rs, key=lambda r: (r.route.inflight_units if r.route else 0.0, -r.started_at)
+                rs,
+                key=lambda r: (self.table.inflight_units(r.handle.replica_id), -r.started_at),
             )
 
-        hot = least_busy([r for r in mine if r.state == "ready" and r.tier == "hot"])
-        warm = least_busy([r for r in mine if r.state == "ready" and r.tier == "warm"])
-        loading = [r for r in mine if r.state == "starting" and r.then_tier == "warm"]
+        hot = least_busy([r for r in mine if r.state is ReplicaState.ready and r.tier is Tier.hot])
+        warm = least_busy(
+            [r for r in mine if r.state is ReplicaState.ready and r.tier is Tier.warm]
+        )
+        loading = [r for r in mine if r.state is ReplicaState.starting and r.then_tier is Tier.warm]
         for replica in warm[: actions.promote]:
-            self._change_tier(replica, "hot")
+            self._change_tier(replica, Tier.hot)
         for replica in loading[: actions.keep_hot]:
             replica.then_tier = None
         view = self.deployments.get(key)
@@ -724,24 +717,32 @@ class PoolsController:
             for _ in range(actions.start_hot):
                 self._start(view, version)
             for _ in range(actions.start_warm):
-                self._start(view, version, then_tier="warm")
+                self._start(view, version, then_tier=Tier.warm)
         for replica in hot[: actions.demote]:
-            self._change_tier(replica, "warm")
+            self._change_tier(replica, Tier.warm)
         stops = hot[actions.demote : actions.demote + actions.stop_hot]
         stops += warm[actions.promote : actions.promote + actions.stop_warm]
         # Warm spares still loading first, the newest (the last to be ready) first.
         on_the_way = sorted(
-            (r for r in mine if r.state in ("starting", "promoting", "demoting")),
-            key=lambda r: (r.then_tier != "warm" or r.state != "starting", -r.started_at),
+            (
+                r
+                for r in mine
+                if r.state in (ReplicaState.starting, ReplicaState.promoting, ReplicaState.demoting)
+            ),
+            key=lambda r: (
+                r.then_tier is not Tier.warm or r.state is not ReplicaState.starting,
+                -r.started_at,
+            ),
         )
         stops += on_the_way[: actions.stop_starting]
-        starts = [r for r in mine if r.state == "starting" and r.then_tier is None]
+        starts = [r for r in mine if r.state is ReplicaState.starting and r.then_tier is None]
         stops += sorted(starts, key=lambda r: -r.started_at)[: actions.cancel_hot]
         for replica in stops:
             self._stop(replica)
 
     def _stop(self, replica: ManagedReplica) -> None:
-        replica.state = "draining"
+        replica.state = ReplicaState.draining
+        self.publish()
         self._event("draining", replica)
         self._spawn(self._drain(replica))
 
@@ -759,6 +760,7 @@ class PoolsController:
         """The gateway reports every arrival (admitted or shed) in model units, once:
         ``arrived=False`` for the admission of a request whose arrival it reported
         already (one that waited for a replica)."""
+        key = DeploymentKey(*key)
         arrived_admitted = self.demand.setdefault((key, version), [0.0, 0.0])
         if arrived:
             arrived_admitted[0] += units
@@ -771,39 +773,14 @@ class PoolsController:
         """A start asks the shared standby pool for a process, found or not: the pool is
         sized from those asks with the simulator's own rule (``size_standby_pool``: one more
         than the most asked for within one refill time, the refill time learned here),
-        between the floor and ``standby_max``."""
-        if self.standby_max <= self.standby_floor or self.standby_floor == 0:
-            return
-        spawns = sorted(self.standby_spawn_s)
-        refill = spawns[int(0.95 * (len(spawns) - 1))] if spawns else None
-        cfg = StandbyPoolConfig(minimum=self.standby_floor)
-        if refill is not None:
-            cfg = StandbyPoolConfig(replenish_s=refill, minimum=self.standby_floor)
-        size, self.standby_state = size_standby_pool(self.standby_state, cfg, time.monotonic())
-        size = min(self.standby_max, size)
-        if size > self.standby_pool:
-            self.standby_pool = size
-            event = {"event": "standby_pool", "size": size, "peak_asks": self.standby_state.peak,
-                     "refill_s": round(cfg.replenish_s, 3), "tenant_id": 0, "deployment": "",
+        between the floor and the maximum (:class:`~ember.pools.learners.StandbySizer`)."""
+        grown = self.standby.asked(time.monotonic())
+        if grown is not None:
+            event = {"event": "standby_pool", "size": grown.size, "peak_asks": grown.peak_asks,
+                     "refill_s": round(grown.refill_s, 3), "tenant_id": 0, "deployment": "",
                      "at": time.time()}  # fmt: skip
             self.events = [*self.events[-199:], event]
-            log.info("standby pool grown", size=size, peak_asks=self.standby_state.peak)
-
-    def _promoted(self, tier: str, seconds: float) -> None:
-        self.promotion_s[tier] = [*self.promotion_s[tier][-49:], seconds]
-
-    def _promotion_times(self) -> PromotionTimes:
-        """p95 of what each tier took here; a tier not yet measured keeps the default (the
-        measured figures of ``bench/coldstart.py``), never above the next slower tier."""
-        default = PromotionTimes()
-
-        def p95(tier: str, otherwise: float) -> float:
-            xs = sorted(self.promotion_s[tier])
-            return xs[int(0.95 * (len(xs) - 1))] if xs else otherwise
-
-        cold = p95("cold", default.cold_s)
-        standby = p95("standby", min(default.standby_s, cold))
-        return PromotionTimes(p95("warm", min(default.warm_s, standby)), standby, cold)
+            log.info("standby pool grown", size=grown.size, peak_asks=grown.peak_asks)
 
     def _autoscale(self) -> None:
         now = time.monotonic()
@@ -817,14 +794,14 @@ class PoolsController:
                 self.targets[(key, version)] = self._step(key, view, version, dt)
 
     def _step(
-        self, key: tuple[int, str], view: DeploymentView, version: str, dt: float
+        self, key: DeploymentKey, view: DeploymentView, version: str, dt: float
     ) -> TierCounts:
         return (
             self.scaler(key, view, version).step(self.observation(key, view, version, dt)).desired
         )
 
     def scaler(
-        self, key: tuple[int, str], view: DeploymentView, version: str
+        self, key: DeploymentKey, view: DeploymentView, version: str
     ) -> Autoscaler[EmberState, EmberConfig]:
         """The version's autoscaler: ``decide`` with the deployment's pool policy. A changed
         policy (new schedules, say) applies from the next step; what it learned stays."""
@@ -860,8 +837,7 @@ class PoolsController:
                 stored = await asyncio.to_thread(store.load_promotion)
             except Exception:  # Redis away: the defaults until measured here
                 stored = {}
-            for tier, xs in stored.items():  # what was learned before, then what is now
-                self.promotion_s[tier] = [*xs, *self.promotion_s[tier]][-50:]
+            self.promotion.restore(stored)  # what was learned before, then what is now
         for key, view in self.deployments.items():
             version = view.production
             if version is None or (key, version) in self.scalers:
@@ -895,7 +871,7 @@ class PoolsController:
             self.targets.pop(gone, None)
         states = {k: state_to_dict(s.state) for k, s in self.scalers.items()}
 
-        promotion = {tier: list(xs) for tier, xs in self.promotion_s.items()}
+        promotion = {tier: list(xs) for tier, xs in self.promotion.samples.items()}
 
         def save() -> int:
             store.save(states, promotion)
@@ -910,13 +886,13 @@ class PoolsController:
             log.info("autoscaler state of removed versions forgotten", versions=removed)
 
     def observation(
-        self, key: tuple[int, str], view: DeploymentView, version: str, dt: float
+        self, key: DeploymentKey, view: DeploymentView, version: str, dt: float
     ) -> Observation:
         """What the version saw over the last ``dt`` seconds (takes the gateway's count)."""
         mine = [r for r in self.replicas.values() if r.key == key and r.version == version]
-        hot = [r for r in mine if r.state == "ready" and r.tier == "hot"]
+        hot = [r for r in mine if r.state is ReplicaState.ready and r.tier is Tier.hot]
         arrived, admitted = self.demand.pop((key, version), [0.0, 0.0])
-        inflight = sum(r.route.inflight_units for r in hot if r.route)
+        inflight = sum(self.table.inflight_units(r.handle.replica_id) for r in hot)
         unit = view.cost(version).cost(1)
         return Observation(
             interval_s=dt,
@@ -928,37 +904,32 @@ class PoolsController:
             capacity_units_per_s=view.capacity_units_per_s(version),
             ready=TierCounts(
                 hot=len(hot),
-                warm=sum(1 for r in mine if r.state == "ready" and r.tier == "warm"),
-                standby=sum(1 for r in self.replicas.values() if r.state == "standby"),
+                warm=sum(1 for r in mine if r.state is ReplicaState.ready and r.tier is Tier.warm),
+                standby=sum(1 for r in self.replicas.values() if r.state is ReplicaState.standby),
             ),
             promoting=sum(
                 1
                 for r in mine
-                if r.state == "promoting" or (r.state == "starting" and r.then_tier is None)
+                if r.state is ReplicaState.promoting
+                or (r.state is ReplicaState.starting and r.then_tier is None)
             ),
-            promotion=self._promotion_times(),
+            promotion=self.promotion.times(),
         )
 
-    def _change_tier(self, replica: ManagedReplica, tier: str) -> None:
-        replica.state = "promoting" if tier == "hot" else "demoting"
+    def _change_tier(self, replica: ManagedReplica, tier: Tier) -> None:
+        replica.state = ReplicaState.promoting if tier is Tier.hot else ReplicaState.demoting
+        self.publish()
         self._spawn(self._set_tier(replica, tier))
 
-    async def _set_tier(self, replica: ManagedReplica, tier: str) -> None:
+    async def _set_tier(self, replica: ManagedReplica, tier: Tier) -> None:
         started = time.monotonic()
-        try:
-            response = await self._http.post(
-                f"{replica.handle.url}/tier", json={"tier": tier}, timeout=600,
-                headers=replica.handle.auth,
-            )  # fmt: skip
-            ok = response.status_code == 200
-        except httpx.HTTPError:
-            ok = False
-        if not ok:
+        if not await self.replica_api.set_tier(replica.handle, tier):
             self._fail(replica, f"tier change to {tier} failed")
             return
-        replica.state, replica.tier, replica.last_ok = "ready", tier, time.monotonic()
-        if tier == "hot":
-            self._promoted("warm", time.monotonic() - started)
+        replica.state, replica.tier, replica.last_ok = ReplicaState.ready, tier, time.monotonic()
+        self.publish()
+        if tier is Tier.hot:
+            self.promotion.record(Source.warm, time.monotonic() - started)
         self._event("tier", replica, tier=tier, seconds=round(time.monotonic() - started, 3))
 
     def _spawn(self, coro: Any) -> None:
@@ -966,7 +937,7 @@ class PoolsController:
         self._assigning.add(task)
         task.add_done_callback(self._assigning.discard)
 
-    def _start(self, view: DeploymentView, version: str, *, then_tier: str | None = None) -> None:
+    def _start(self, view: DeploymentView, version: str, *, then_tier: Tier | None = None) -> None:
         spec = view.specs[version]
         options = LaunchOptions(
             view.policy.max_batch_size,
@@ -980,7 +951,8 @@ class PoolsController:
             (
                 r
                 for r in self.replicas.values()
-                if r.state == "standby" and self.backend.standby_can_take(r.handle, spec, options)
+                if r.state is ReplicaState.standby
+                and self.backend.standby_can_take(r.handle, spec, options)
             ),
             None,
         )
@@ -989,14 +961,14 @@ class PoolsController:
             del self.replicas[standby.handle.replica_id]
             # A version the shared warm tier holds loads from host RAM: a warm promotion.
             held = self.warm_tier is not None and self.warm_tier.holds(
-                view.model, version, str(spec.get("sha256") or "")
+                view.model, version, spec.sha256
             )
             replica = ManagedReplica(
                 standby.handle,
-                (view.tenant_id, view.name),
+                view.key,
                 view.model,
                 version,
-                source="warm" if held else "standby",
+                source=Source.warm if held else Source.standby,
                 then_tier=then_tier,
             )
             self.replicas[replica.handle.replica_id] = replica
@@ -1004,53 +976,48 @@ class PoolsController:
             self._assigning.add(task)
             task.add_done_callback(self._assigning.discard)
             self._event(
-                "assigned", replica, from_tier="standby", then_tier=then_tier, warm_set=held
+                "assigned", replica, from_tier=Tier.standby, then_tier=then_tier, warm_set=held
             )
             return
         handle = self.backend.launch(spec, options)
         replica = ManagedReplica(
-            handle, (view.tenant_id, view.name), view.model, version, then_tier=then_tier
+            handle,
+            view.key,
+            view.model,
+            version,
+            then_tier=then_tier,
         )
         self.replicas[handle.replica_id] = replica
         self._event("starting", replica, pid=handle.pid, port=handle.port, then_tier=then_tier)
 
     async def _assign(
-        self, replica: ManagedReplica, spec: dict[str, Any], options: LaunchOptions
+        self, replica: ManagedReplica, spec: VersionSpec, options: LaunchOptions
     ) -> None:
         """Give the standby process its version and the deployment's batch policy and
         threads (it was started with the defaults, before anyone knew its deployment)."""
-        url, params = f"{replica.handle.url}/assign", options.replica_settings()
+        params = options.replica_settings()
         params |= self.backend.assign_query(replica.handle, spec, options)
-        with contextlib.suppress(httpx.HTTPError):
-            await self._http.post(
-                url, json=spec, params=params, timeout=600, headers=replica.handle.auth
-            )
+        await self.replica_api.assign(replica.handle, spec, params)
 
     def standby_wanted(self) -> int:
-        """The shared standby pool's size (:func:`~ember.pools.plan.standby_pool_size`):
-        what its asks sized it to, or the standby replicas the production versions'
-        autoscalers want together, within ``[standby_floor, standby_max]``; none when the
-        pool is turned off (a floor of 0)."""
-        if self.standby_floor == 0:
-            return 0
+        """The shared standby pool's size: what its asks sized it to, or the standby
+        replicas the production versions' autoscalers want together, within its bounds."""
         wanted = sum(
             t.standby
             for (key, version), t in self.targets.items()
             if key in self.deployments and version == self.deployments[key].production
         )
-        return standby_pool_size(
-            self.standby_pool, wanted, floor=self.standby_floor, maximum=self.standby_max
-        )
+        return self.standby.wanted(wanted)
 
     def _keep_standby(self) -> None:
-        spares = [r for r in self.replicas.values() if not r.key[1]]
+        spares = [r for r in self.replicas.values() if r.key.standby_pool]
         missing = self.standby_wanted() - len(spares)
         if missing <= 0:
             return
         options = LaunchOptions(reserve_bytes=self._standby_reserve())
         for _ in range(missing):
             handle = self.backend.launch(None, options)
-            replica = ManagedReplica(handle, (0, ""), "", "", tier="standby")
+            replica = ManagedReplica(handle, STANDBY_POOL, "", "", tier=Tier.standby)
             self.replicas[handle.replica_id] = replica
             self._event("starting", replica, standby=True, pid=handle.pid)
 
@@ -1068,36 +1035,46 @@ class PoolsController:
 
     async def _drain(self, replica: ManagedReplica, wait_s: float = 30.0) -> None:
         deadline = time.monotonic() + wait_s
-        while replica.route and replica.route.inflight_units > 0 and time.monotonic() < deadline:  # noqa: ASYNC110 - polls a counter the gateway owns
+        rid = replica.handle.replica_id
+        while self.table.inflight_units(rid) > 0 and time.monotonic() < deadline:  # noqa: ASYNC110 - polls a counter the serving side owns
             await asyncio.sleep(0.05)
         await asyncio.to_thread(self.backend.stop, replica.handle)
-        self.replicas.pop(replica.handle.replica_id, None)
+        self.replicas.pop(rid, None)
+        self.publish()
         self._event("stopped", replica)
 
     # --- routing table ------------------------------------------------------------------
 
-    def routes(self, key: tuple[int, str], version: str) -> list[Route]:
-        return [
-            r.route
-            for r in self.replicas.values()
-            if r.key == key
-            and r.version == version
-            and r.state == "ready"
-            and r.tier == "hot"
-            and r.route
-        ]
+    def publish(self) -> None:
+        """Publish the routing table (:class:`~ember.serving.routing.RoutingTable`): per
+        (deployment, version) the routes of its ready hot replicas, and whether a hot one is
+        on its way (starting, assigned, being promoted, or a warm one the autoscaler
+        promotes on demand). Called after every change of what is routable; one pass over
+        the replicas here, so a request never scans them."""
+        routes: dict[tuple[DeploymentKey, str], list[Route]] = {}
+        coming: set[tuple[DeploymentKey, str]] = set()
+        for r in self.replicas.values():
+            if r.key.standby_pool:
+                continue
+            lane = (r.key, r.version)
+            if r.state is ReplicaState.ready and r.tier is Tier.hot and r.route is not None:
+                routes.setdefault(lane, []).append(r.route)
+            elif r.state in (ReplicaState.starting, ReplicaState.promoting) or (
+                r.state is ReplicaState.ready and r.tier is Tier.warm
+            ):
+                coming.add(lane)
+        self.table.publish(
+            {k: Lane(tuple(routes.get(k, ())), k in coming) for k in routes.keys() | coming},
+            tracked=(r.route for r in self.replicas.values() if r.route is not None),
+        )
 
-    def coming(self, key: tuple[int, str], version: str) -> bool:
-        """Whether a hot replica of ``version`` is on its way (starting, assigned, being
-        promoted) or could be (a warm one the autoscaler promotes on demand). A
-        ``scale_to_zero`` deployment holding nothing is woken here: a replica of the
-        version starts at the next tick."""
-        if any(
-            r.key == key
-            and r.version == version
-            and (r.state in ("starting", "promoting") or (r.state == "ready" and r.tier == "warm"))
-            for r in self.replicas.values()
-        ):
+    def wake(self, key: tuple[int, str], version: str) -> bool:
+        """A request wants ``version`` and it has no routable replica: whether a hot one is
+        on its way (published in the routing table) or could be — a ``scale_to_zero``
+        deployment holding nothing is woken here: a replica of the version starts at the
+        next tick."""
+        key = DeploymentKey(*key)
+        if self.table.lane(key, version).coming:
             return True
         view = self.deployments.get(key)
         if (
@@ -1109,21 +1086,21 @@ class PoolsController:
             return False
         now = time.monotonic()
         if self.woken.get((key, version), -math.inf) < now:
-            log.info("waking a scaled-to-zero deployment", deployment=key[1], version=version)
+            log.info("waking a scaled-to-zero deployment", deployment=key.name, version=version)
             self.woken[(key, version)] = now + WAKE_HOLD_S
         return True
 
     def routable_traffic(self, view: DeploymentView) -> dict[str, int]:
         """The deployment's weights over versions that have a ready replica; while a new
         version loads, the versions still running keep serving."""
-        key = (view.tenant_id, view.name)
-        ready = {v: w for v, w in view.traffic.items() if w > 0 and self.routes(key, v)}
+        key = view.key
+        ready = {v: w for v, w in view.traffic.items() if w > 0 and self.table.routes(key, v)}
         if ready:
             return ready
         running = {
             r.version
             for r in self.replicas.values()
-            if r.key == key and r.state == "ready" and r.tier == "hot"
+            if r.key == key and r.state is ReplicaState.ready and r.tier is Tier.hot
         } - ((set(view.fallback) | set(view.pinned)) - set(view.traffic))
         # (fallbacks answer only as the ladder; pinned versions only their runs)
         if running:
@@ -1131,23 +1108,28 @@ class PoolsController:
         raise NotReady(f"deployment {view.name!r} has no ready replica yet", deployment=view.name)
 
     def replicas_of(self, key: tuple[int, str]) -> list[dict[str, Any]]:
-        return [r.public() for r in self.replicas.values() if r.key == key]
+        return [
+            r.public(self.table.inflight_units(r.handle.replica_id))
+            for r in self.replicas.values()
+            if r.key == key
+        ]
 
     def autoscaler_of(self, key: tuple[int, str]) -> dict[str, Any]:
         """What the autoscaler of the deployment's production version forecast, wants per
         tier and why, the promotion times it plans with and its last decisions (for
         ``GET /v1/deployments/{name}/autoscaler``). ``acting`` is false on a controller
         that follows another (which decides; its view is the leader's to show)."""
+        key = DeploymentKey(*key)
         view = self.deployments.get(key)
         version = view.production if view is not None else None
         scaler = self.scalers.get((key, version)) if version is not None else None
-        promotion = self._promotion_times()
+        promotion = self.promotion.times()
         out: dict[str, Any] = {
             "version": version,
             "acting": self.leading,
             "promotion_s": {"warm": promotion.warm_s, "standby": promotion.standby_s,
                             "cold": promotion.cold_s},
-            "promotion_samples": {t: len(v) for t, v in self.promotion_s.items()},
+            "promotion_samples": {t: len(v) for t, v in self.promotion.samples.items()},
             "config": None, "forecast": [], "desired": None, "reasons": [], "decisions": [],
         }  # fmt: skip
         if scaler is None:

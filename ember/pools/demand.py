@@ -14,8 +14,10 @@ from typing import Any, cast
 
 import redis
 
-DemandKey = tuple[tuple[int, str], str]
-"""((tenant id, deployment), version)."""
+from ember.domain.spec import DeploymentKey, Source
+
+DemandKey = tuple[DeploymentKey, str]
+"""(deployment, version)."""
 
 HASH = "ember:pools:demand"
 _SEP = "\t"
@@ -47,7 +49,7 @@ class SharedDemand:
         for field, value in raw.items():
             try:
                 tenant, deployment, version, kind = field.decode().split(_SEP)
-                key = ((int(tenant), deployment), version)
+                key = (DeploymentKey(int(tenant), deployment), version)
                 amount = float(value)
             except ValueError:  # not ours: ignore it rather than stop the controller
                 continue
@@ -83,7 +85,7 @@ class ForecastStore:
     def save(
         self,
         states: dict[DemandKey, dict[str, Any]],
-        promotion_s: dict[str, list[float]] | None = None,
+        promotion_s: dict[Source, list[float]] | None = None,
     ) -> None:
         mapping: dict[Any, Any] = {self._field(k): json.dumps(v) for k, v in states.items()}
         if promotion_s is not None and any(promotion_s.values()):
@@ -91,7 +93,7 @@ class ForecastStore:
         if mapping:
             self.redis.hset(self.key, mapping=mapping)
 
-    def load_promotion(self) -> dict[str, list[float]]:
+    def load_promotion(self) -> dict[Source, list[float]]:
         """The stored promotion samples per tier (finite, positive, at most 50 each);
         empty when none or not readable."""
         raw = cast(bytes | None, self.redis.hget(self.key, self.PROMOTION_FIELD))
@@ -101,8 +103,8 @@ class ForecastStore:
             return {}
         if not isinstance(data, dict):
             return {}
-        out: dict[str, list[float]] = {}
-        for tier in ("warm", "standby", "cold"):
+        out: dict[Source, list[float]] = {}
+        for tier in Source:
             xs = data.get(tier)
             if isinstance(xs, list):
                 ok = [float(x) for x in xs[-50:] if isinstance(x, int | float)]

@@ -26,7 +26,7 @@ import random
 import statistics
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -35,7 +35,7 @@ import pydantic_core
 import structlog
 
 from ember import tracing
-from ember.engine.spec import Priority
+from ember.domain.spec import DeploymentKey, Priority
 from ember.engine.tensorbody import TIMEOUT_HEADER, TensorBody
 from ember.errors import (
     BackPressure,
@@ -50,11 +50,10 @@ from ember.errors import (
 from ember.logs import get_logger, model_context
 from ember.pools.admission import Admission, class_share
 from ember.pools.cache import ResponseCache, cache_key, digest
-from ember.pools.controller import DeploymentView, PoolsController
 from ember.pools.history import RequestStats
 from ember.pools.hop import HopAnswer, ReplicaClient, ReplicaUnreachable
 from ember.pools.predlog import DEFERRED_DIGESTS, PredictionLog
-from ember.pools.router import (
+from ember.serving.router import (
     RetryBudget,
     Route,
     pick_replica,
@@ -62,6 +61,7 @@ from ember.pools.router import (
     record_failure,
     record_success,
 )
+from ember.serving.routing import ControlPlane, DeploymentView
 
 log = get_logger(__name__)
 Instances = list[Any] | TensorBody
@@ -139,7 +139,7 @@ class LatencyWindow:
 class Gateway:
     def __init__(
         self,
-        controller: PoolsController,
+        control: ControlPlane,
         admission: Admission,
         retry_ratio: float,
         *,
@@ -147,7 +147,10 @@ class Gateway:
         predictions: PredictionLog | None = None,
         ladder_reserve: float = 0.25,
     ) -> None:
-        self.controller = controller
+        self.control = control
+        """The control side, through the one interface serving may use (``ControlPlane``):
+        its routing table, its deployments, the pools' metrics, the demand sink."""
+        self.table = control.table
         self.admission = admission
         self.budget = RetryBudget(ratio=retry_ratio)
         # Streaming passthrough (OpenAI routes) uses httpx; the predict hop a lean keep-alive
@@ -164,7 +167,7 @@ class Gateway:
         self.ladder_reserve = ladder_reserve
         self.latency: dict[tuple[int, str, str], LatencyWindow] = {}
         self.answers = RequestStats()  # the dashboard's latency / errors / rungs per version
-        metrics = controller.metrics
+        metrics = control.metrics
         metrics.prediction_log = self.predictions
         metrics.response_cache = cache
 
@@ -172,21 +175,21 @@ class Gateway:
         """The deployment called ``name`` (whatever model it serves), else the one serving
         the model ``name`` (``deployment_for``): how the OpenAI routes, which list
         deployments as models, find what a client names."""
-        view = self.controller.deployments.get((tenant_id, name))
+        view = self.control.deployments.get(DeploymentKey(tenant_id, name))
         return view if view is not None else self.deployment_for(tenant_id, name)
 
     def deployment_for(self, tenant_id: int, model: str) -> DeploymentView:
         """The deployment serving ``model``: the one named after it, else any of it (from
         the controller's view of the registry: no database read on the hot path)."""
-        deployments = self.controller.deployments
-        view = deployments.get((tenant_id, model))
+        deployments = self.control.deployments
+        view = deployments.get(DeploymentKey(tenant_id, model))
         if view is not None and view.model == model:
             return view
         serving = sorted(
             n for (t, n), v in deployments.items() if t == tenant_id and v.model == model
         )
         if serving:
-            return deployments[(tenant_id, serving[0])]
+            return deployments[DeploymentKey(tenant_id, serving[0])]
         raise NotFound(f"no deployment serves model {model!r}", model=model)
 
     # --- the ladder ---------------------------------------------------------------------------
@@ -211,7 +214,7 @@ class Gateway:
         if version is not None and version not in view.specs:
             raise NotFound(f"version {version!r} is not served by deployment {view.name!r}")
         try:
-            traffic = {version: 1} if version else self.controller.routable_traffic(view)
+            traffic = {version: 1} if version else self.control.routable_traffic(view)
             chosen = pick_version(traffic, self.rng)
         except NotReady:
             if view.production is None:
@@ -272,7 +275,7 @@ class Gateway:
         input_digest: str | None,
         params: dict[str, Any] | None,
     ) -> None:
-        metrics = self.controller.metrics
+        metrics = self.control.metrics
         metrics.rungs.labels(*metrics.of(view), result.version, result.rung).inc()
         self._log(
             view, tenant, chosen, instances, result, started, input_digest, None, params, ended
@@ -300,7 +303,7 @@ class Gateway:
     ) -> Prediction:
         policy = view.policy
         deadline = started + timeout_ms / 1000
-        sha256 = str(view.specs.get(chosen, {}).get("sha256", ""))
+        sha256 = spec.sha256 if (spec := view.specs.get(chosen)) else ""
         key = None
         if input_digest is not None:
             key = cache_key(view.tenant_id, view.model, chosen, sha256, input_digest)
@@ -324,7 +327,7 @@ class Gateway:
                 looked.set_attribute("ember.cache", "miss" if entry is None else "found")
             if entry is not None and entry.fresh(time.time()):
                 self.cache.stats.hits += 1
-                self.controller.metrics.cached(view, "hit")
+                self.control.metrics.cached(view, "hit")
                 return Prediction(
                     None, chosen, "-", view.name, 0, cache="hit", content=entry.content
                 )
@@ -342,7 +345,7 @@ class Gateway:
                 deadline=model_deadline,
             )
             outcome = "coalesced" if shared else "miss"
-            self.controller.metrics.cached(view, outcome)
+            self.control.metrics.cached(view, outcome)
             if ran:
                 return replace(ran[0], cache=outcome)
             return Prediction(None, chosen, "-", view.name, 0, cache=outcome, content=body)
@@ -372,7 +375,7 @@ class Gateway:
             if entry is not None:
                 self.cache.stats.stale_hits += 1
                 fresh = entry.fresh(time.time())
-                self.controller.metrics.cached(view, "stale")
+                self.control.metrics.cached(view, "stale")
                 return Prediction(
                     None,
                     chosen,
@@ -418,8 +421,8 @@ class Gateway:
         key = (view.tenant_id, view.name)
         cost = view.cost(chosen)
         units = cost.cost(1) * len(instances)
-        metrics = self.controller.metrics
-        routes = self.controller.routes(key, chosen)
+        metrics = self.control.metrics
+        routes: Sequence[Route] = self.table.routes(key, chosen)
         waited = False  # its arrival reported already (while it waited for a replica)
         if not routes and admit and not self._has_ladder(view):
             with tracing.span("await replica"):
@@ -525,7 +528,7 @@ class Gateway:
         view: DeploymentView,
         tenant: str,
         version: str,
-        routes: list[Route],
+        routes: Sequence[Route],
         units: float,
         priority: Priority,
         timeout_s: float,
@@ -538,7 +541,7 @@ class Gateway:
         key = (view.tenant_id, view.name)
         cost = view.cost(version)
         capacity = len(routes) * view.policy.max_batch_size * cost.cost(1)
-        calibrated = bool(view.specs.get(version, {}).get("cost"))
+        calibrated = bool((spec := view.specs.get(version)) and spec.cost)
         per_s = len(routes) * cost.capacity_units_per_s if calibrated else float("inf")
         inflight = sum(r.inflight_units for r in routes)
         try:
@@ -553,16 +556,16 @@ class Gateway:
                 queue_units=QUEUE_BATCHES * capacity,
             )
         except BackPressure:
-            self.controller.metrics.request(view, version, "shed")
-            self.controller.record_demand(key, version, units, admitted=False, arrived=arrived)
+            self.control.metrics.request(view, version, "shed")
+            self.control.record_demand(key, version, units, admitted=False, arrived=arrived)
             raise
-        self.controller.record_demand(key, version, units, admitted=True, arrived=arrived)
+        self.control.record_demand(key, version, units, admitted=True, arrived=arrived)
 
     def batch_window(self, view: DeploymentView, version: str) -> int:
         """Instances the batch class may have in flight to ``version`` at once: its share
         of the ready replicas' queues (``admit`` refuses beyond it; at least one full
         batch, which an idle pool always takes)."""
-        routes = self.controller.routes((view.tenant_id, view.name), version)
+        routes = self.table.routes((view.tenant_id, view.name), version)
         queue = len(routes) * QUEUE_BATCHES * view.policy.max_batch_size
         return max(view.policy.max_batch_size, int(class_share(Priority.batch, queue)))
 
@@ -579,11 +582,11 @@ class Gateway:
             raise NotFound(f"version {version!r} is not served by deployment {view.name!r}")
         key = (view.tenant_id, view.name)
         if sent > 0:
-            self.controller.record_demand(key, version, view.cost(version).cost(1) * sent, True)
+            self.control.record_demand(key, version, view.cost(version).cost(1) * sent, True)
         now = time.monotonic()
-        routes = [r for r in self.controller.routes(key, version) if r.routable(now)]
+        routes = [r for r in self.table.routes(key, version) if r.routable(now)]
         if not routes:
-            self.controller.coming(key, version)
+            self.control.wake(key, version)
         # A replica's whole queue bound (QUEUE_BATCHES batches), not the class's share of
         # it that the gateway admits: the replica computes online instances before any
         # batch ones, so a deep batch queue costs online traffic nothing, and it keeps the
@@ -608,7 +611,7 @@ class Gateway:
         bounded queue (QUEUE_BATCHES batches each); NotReady or BackPressure if none."""
         candidates = [
             r
-            for r in self.controller.routes((view.tenant_id, view.name), version)
+            for r in self.table.routes((view.tenant_id, view.name), version)
             if r.replica_id not in tried
         ]
         if not candidates:
@@ -617,7 +620,7 @@ class Gateway:
         per_replica = QUEUE_BATCHES * view.policy.max_batch_size * cost.cost(1)
         candidates = [r for r in candidates if r.inflight_units + units <= per_replica]
         if not candidates:
-            self.controller.metrics.request(view, version, "shed")
+            self.control.metrics.request(view, version, "shed")
             batch_s = view.policy.max_queue_delay_ms / 1000 + cost.service_s(1)
             raise BackPressure(
                 f"every replica of {view.name}:{version} has {QUEUE_BATCHES} batches queued",
@@ -636,9 +639,9 @@ class Gateway:
         queue_ms: str | None,
     ) -> None:
         record_success(route)
-        self.controller.mark_ok(route.replica_id)
+        self.control.mark_ok(route.replica_id)
         window.add(elapsed)
-        metrics = self.controller.metrics
+        metrics = self.control.metrics
         labels = metrics.of(view)
         metrics.requests.labels(*labels, version, "ok").inc()
         metrics.success(*labels, version)
@@ -649,21 +652,21 @@ class Gateway:
 
     async def _await_replica(
         self, key: tuple[int, str], version: str, units: float, deadline: float
-    ) -> tuple[list[Route], bool]:
+    ) -> tuple[Sequence[Route], bool]:
         """No hot replica yet, but one is starting or can be promoted: wait for it within
         the deadline (reporting the demand, so a warm replica is promoted) instead of
         refusing a request that a replica would answer in a moment. A deployment with a
         degradation ladder degrades at once instead. Returns the routes and whether it
         reported the request's arrival."""
-        if not self.controller.coming(key, version):
-            return [], False
-        self.controller.record_demand(key, version, units, admitted=False)
-        while time.monotonic() < deadline and self.controller.coming(key, version):
+        if not self.control.wake(key, version):
+            return (), False
+        self.control.record_demand(key, version, units, admitted=False)
+        while time.monotonic() < deadline and self.control.wake(key, version):
             await asyncio.sleep(WAIT_POLL_S)
-            routes = self.controller.routes(key, version)
+            routes = self.table.routes(key, version)
             if routes:
                 return routes, True
-        return self.controller.routes(key, version), True
+        return self.table.routes(key, version), True
 
     async def _send(
         self,
@@ -712,7 +715,7 @@ class Gateway:
             return await first, route, False
         second_route = pick_replica(others)
         tried.add(second_route.replica_id)
-        self.controller.metrics.hedged(view, version, "sent")
+        self.control.metrics.hedged(view, version, "sent")
         rest = remaining_s - hedge_after
         second = asyncio.create_task(self._send(second_route, payload, headers, units, rest))
         owner = {first: route, second: second_route}
@@ -725,7 +728,7 @@ class Gateway:
                     exc = task.exception()
                     if exc is None and task.result().status_code == 200:
                         if task is second:
-                            self.controller.metrics.hedged(view, version, "won")
+                            self.control.metrics.hedged(view, version, "won")
                             # Outrun by a hedge: a strike against the slow replica, so a stuck
                             # one is ejected instead of costing a hedge per request.
                             record_failure(route)
@@ -817,7 +820,7 @@ class Gateway:
             "deployment": view.name,
             "model": view.model,
             "version": version,
-            "artifact_sha256": view.specs.get(version, {}).get("sha256"),
+            "artifact_sha256": spec.sha256 if (spec := view.specs.get(version)) else None,
             "rung": rung,
             "status": status,
             "latency_ms": round(((ended or time.monotonic()) - started) * 1000, 3),

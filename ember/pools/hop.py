@@ -27,7 +27,7 @@ from typing import cast
 from opentelemetry.trace import SpanKind
 
 from ember import tracing
-from ember.engine.spec import REPLICA_SECRET_HEADER
+from ember.domain.spec import REPLICA_SECRET_HEADER
 
 KEEPALIVE_S = 3.0
 """Idle connections older than this are not reused (uvicorn closes them after 5 s)."""

@@ -22,8 +22,9 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from ember.pools.cache import ResponseCache
-    from ember.pools.controller import DeploymentView, ManagedReplica, PoolsController
+    from ember.pools.controller import ManagedReplica, PoolsController
     from ember.pools.predlog import PredictionLog
+    from ember.serving.routing import DeploymentView
 
 log = get_logger(__name__)
 

@@ -26,13 +26,13 @@ import anyio
 import httpx
 
 from ember import tracing
-from ember.engine.spec import Priority
+from ember.domain.spec import Priority
 from ember.errors import DeadlineExceeded, EngineError, NotFound, NotReady
 from ember.logs import get_logger, model_context
 from ember.pools.backends.base import replica_auth
-from ember.pools.controller import DeploymentView
 from ember.pools.gateway import RETRYABLE_STATUS, Gateway
-from ember.pools.router import Route, pick_replica, pick_version, record_failure, record_success
+from ember.serving.router import Route, pick_replica, pick_version, record_failure, record_success
+from ember.serving.routing import DeploymentView
 
 log = get_logger(__name__)
 #: Largest error body read back from a replica (it is passed on to the client).
@@ -146,14 +146,14 @@ class Opened:
         ok = ok or self._whole_event_stream()
         self._done = True
         self.route.inflight_units -= self.units
-        controller = self.gateway.controller
+        control = self.gateway.control
         if ok:
             record_success(self.route)
-            controller.mark_ok(self.route.replica_id)
-            labels = controller.metrics.of(self.view)
-            controller.metrics.requests.labels(*labels, self.version, "ok").inc()
-            controller.metrics.success(*labels, self.version)
-            controller.metrics.latency.labels(*labels, self.version).observe(
+            control.mark_ok(self.route.replica_id)
+            labels = control.metrics.of(self.view)
+            control.metrics.requests.labels(*labels, self.version, "ok").inc()
+            control.metrics.success(*labels, self.version)
+            control.metrics.latency.labels(*labels, self.version).observe(
                 time.monotonic() - self.started
             )
         elif self.status >= 500:
@@ -218,17 +218,17 @@ class Passthrough:
         """POST ``body(version)`` as JSON to ``path`` on a replica of the chosen version
         and return once its status and headers are in. ``input_size`` / ``output_size``
         (tokens, estimated) price the request in model units for admission and routing."""
-        gateway, controller = self.gateway, self.gateway.controller
+        gateway, control = self.gateway, self.gateway.control
         started = time.monotonic()
         deadline = started + timeout_ms / 1000
         key = (view.tenant_id, view.name)
         if version is not None and version not in view.specs:
             raise NotFound(f"version {version!r} is not served by deployment {view.name!r}")
-        traffic = {version: 1} if version else controller.routable_traffic(view)
+        traffic = {version: 1} if version else control.routable_traffic(view)
         chosen = pick_version(traffic, gateway.rng)
         cost = view.cost(chosen)
         units = cost.cost(input_size, output_size)
-        routes = controller.routes(key, chosen)
+        routes = gateway.table.routes(key, chosen)
         if not routes:
             raise NotReady(
                 f"version {chosen!r} of {view.name!r} has no ready replica", version=chosen
@@ -263,7 +263,7 @@ class Passthrough:
                         raise
                     record_failure(route)
                     if time.monotonic() < deadline and gateway.budget.try_withdraw():
-                        controller.metrics.request(view, chosen, "retried")
+                        control.metrics.request(view, chosen, "retried")
                         log.warning("replica unreachable, retrying", replica_id=route.replica_id,
                                     error=type(exc).__name__)  # fmt: skip
                         continue
@@ -278,7 +278,7 @@ class Passthrough:
                     route.inflight_units -= units
                     with anyio.CancelScope(shield=True):
                         await response.aclose()
-                    controller.metrics.request(view, chosen, "retried")
+                    control.metrics.request(view, chosen, "retried")
                     continue
                 return Opened(
                     gateway,

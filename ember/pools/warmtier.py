@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Gauge
 
+from ember.domain.manifest import is_shard
+from ember.domain.spec import ReplicaState, Tier, VersionSpec
 from ember.loader.cache import CacheKey, WeightCache
-from ember.loader.manifest import is_shard
 from ember.loader.warmset import WarmSet
 from ember.logs import get_logger
 
@@ -80,18 +81,18 @@ class SharedWarmTier:
         live = {
             (r.key, r.version)
             for r in controller.replicas.values()
-            if r.state == "ready" and r.tier in ("hot", "warm")
+            if r.state is ReplicaState.ready and r.tier in (Tier.hot, Tier.warm)
         }
         ranked: list[tuple[float, int, CacheKey]] = []
         shards: dict[tuple[str, str, str], int] = {}
         for key, view in controller.deployments.items():
             for version, weight in view.traffic.items():
-                spec = view.specs.get(version, {})
-                sha256 = str(spec.get("sha256") or "")
-                if weight <= 0 or (key, version) in live or len(sha256) != 64:
+                spec = view.specs.get(version)
+                sha256 = spec.sha256 if spec is not None else ""
+                if spec is None or weight <= 0 or (key, version) in live or len(sha256) != 64:
                     continue
                 last = self.last_demand.get((key, version), -math.inf)
-                keys = _weight_keys(view.model, version, sha256, key[0], spec)
+                keys = _weight_keys(view.model, version, sha256, key.tenant_id, spec)
                 shards[(view.model, version, sha256)] = len(keys)
                 ranked += [(-last, len(ranked) + i, k) for i, k in enumerate(keys)]
         self._shards = shards
@@ -145,15 +146,14 @@ class SharedWarmTier:
 
 
 def _weight_keys(
-    model: str, version: str, sha256: str, tenant: int, spec: dict[str, object]
+    model: str, version: str, sha256: str, tenant: int, spec: VersionSpec
 ) -> list[CacheKey]:
     """The cache entries of a version's weights: its one file, or a directory version's
-    top-level shards (``ember.loader.manifest``), keyed by the manifest."""
-    uri, files = str(spec.get("artifact_uri") or ""), spec.get("files")
-    if not uri.endswith("/") or not isinstance(files, list):
+    top-level shards (``ember.domain.manifest``), keyed by the manifest."""
+    if not spec.directory or spec.files is None:
         return [CacheKey(model, version, sha256, tenant)]
     return [
-        CacheKey(model, version, str(f["sha256"]), tenant, sha256)
-        for f in files
-        if isinstance(f, dict) and is_shard(str(f.get("path", ""))) and "/" not in str(f["path"])
+        CacheKey(model, version, f.sha256, tenant, sha256)
+        for f in spec.files
+        if is_shard(f.path) and "/" not in f.path
     ]

@@ -195,7 +195,7 @@ def require_ready(model: Model, row: ModelVersion) -> None:
 
 
 def version_spec(model: Model, row: ModelVersion, hardware: str | None = None) -> dict[str, Any]:
-    """What a replica needs to serve ``row`` (``ember.engine.spec.VersionSpec`` fields),
+    """What a replica needs to serve ``row`` (``ember.domain.spec.VersionSpec`` fields),
     with the cost model calibrated on ``hardware`` if there is one."""
     return {
         "cost": (row.cost_models or {}).get(hardware or "") if hardware else None,

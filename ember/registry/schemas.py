@@ -22,10 +22,10 @@ from pydantic import (
     model_validator,
 )
 
-from ember.engine.spec import ENGINE_OPTIONS
-from ember.loader.manifest import ManifestFile
+from ember.domain.manifest import ManifestFile
+from ember.domain.spec import ENGINE_OPTIONS
+from ember.domain.trust import FACTORY_PATTERN
 from ember.registry.tables import KeyScope, VersionStatus
-from ember.registry.trust import FACTORY_PATTERN
 
 NAME_PATTERN = r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$"
 VERSION_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._+-]{0,61}[A-Za-z0-9])?$"
@@ -183,7 +183,7 @@ class CostModelPublic(Input):
 def check_engine_config(engine: str, config: dict[str, Any]) -> None:
     """What can be checked without importing the engine (the control plane stays
     torch-free): the engine's own keys only, of the right types. Which code it may name
-    (factories, vLLM flags) depends on the tenant: ``ember.registry.trust``, at the route."""
+    (factories, vLLM flags) depends on the tenant: ``ember.domain.trust``, at the route."""
     if engine == "torch" and not (
         isinstance(config.get("factory"), str) and FACTORY_PATTERN.fullmatch(config["factory"])
     ):

@@ -87,7 +87,7 @@ class ModelVersion(SQLModel, table=True):
     """The digest the client supplied, checked during validation."""
     sha256: str | None = Field(default=None, max_length=64)
     """The artifact's digest; for a directory version the digest of its manifest
-    (``ember.loader.manifest``)."""
+    (``ember.domain.manifest``)."""
     files: list[dict[str, Any]] | None = Field(default=None, sa_column=Column(JSON))
     """The version's files, ``{path, size, sha256}`` each, recorded at validation: a
     directory version's every file; a single-file version's weights and the sidecars found

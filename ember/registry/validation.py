@@ -18,6 +18,14 @@ from sqlalchemy import Engine
 from sqlmodel import select
 
 from ember.config import Settings
+from ember.domain.manifest import (
+    MAX_SIDECAR_BYTES,
+    SIDECARS,
+    Manifest,
+    ManifestFile,
+    check_structure,
+)
+from ember.domain.safetensors import PREFIX_BYTES, Header, parse_header, read_header_len
 from ember.errors import (
     ArtifactError,
     EmberError,
@@ -25,14 +33,6 @@ from ember.errors import (
     ObjectNotFound,
     StoreAccessDenied,
 )
-from ember.loader.manifest import (
-    MAX_SIDECAR_BYTES,
-    SIDECARS,
-    Manifest,
-    ManifestFile,
-    check_structure,
-)
-from ember.loader.safetensors import PREFIX_BYTES, Header, parse_header, read_header_len
 from ember.loader.stores import ObjectInfo, ObjectStore, open_store, shown, under_tenant_prefix
 from ember.logs import get_logger, model_context
 from ember.registry.db import session_scope
@@ -129,7 +129,7 @@ def _inspect_directory(
     store: ObjectStore, uri: str, settings: Settings, expected: str | None
 ) -> ArtifactFacts:
     """A directory version: list, check the layout from the paths, every shard's header
-    and the index against them, then digest every file (``ember.loader.manifest``). Each
+    and the index against them, then digest every file (``ember.domain.manifest``). Each
     error names the file (and the tensor) at fault; nothing beyond the files' sizes is
     read or allocated."""
     infos, headers = _directory_structure(store, uri, settings)

@@ -28,10 +28,10 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ember import tracing
-from ember.api import problems
-from ember.api.middleware import last_header, request_id_of
 from ember.errors import EmberError
 from ember.logs import bound
+from ember.web import problems
+from ember.web.middleware import last_header, request_id_of
 
 
 @dataclass(slots=True)

@@ -7,8 +7,8 @@ import os
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ember.api.problems import PROBLEM_JSON, TYPE_BASE, protocol_error
 from ember.logs import bound
+from ember.web.problems import PROBLEM_JSON, TYPE_BASE, protocol_error
 
 
 def last_header(scope: Scope, name: bytes) -> bytes | None:

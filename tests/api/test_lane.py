@@ -10,10 +10,10 @@ from fastapi import Request
 from starlette.testclient import TestClient
 from starlette.types import Scope
 
-from ember.api import problems
-from ember.api.lane import JSON_MEDIA, Answer, LaneApp, header_values
-from ember.api.middleware import BodyLimit, JsonBodies, RequestContext
 from ember.errors import BackPressure
+from ember.web import problems
+from ember.web.lane import JSON_MEDIA, Answer, LaneApp, header_values
+from ember.web.middleware import BodyLimit, JsonBodies, RequestContext
 
 LIMIT = 4096
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from ember.loader.manifest import Manifest
+from ember.domain.manifest import Manifest
 from ember.registry import validation
 from tests.api.conftest import MLP, Api
 from tests.api.test_models import problem

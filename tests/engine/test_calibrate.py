@@ -8,9 +8,9 @@ import pytest
 
 from ember.config import Settings
 from ember.costmodel import CostModel, fit
+from ember.domain.spec import VersionSpec
 from ember.engine.base import engine_class
 from ember.engine.calibrate import calibrate
-from ember.engine.spec import VersionSpec
 
 
 def test_fit_recovers_exact_coefficients() -> None:

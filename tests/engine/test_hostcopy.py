@@ -12,8 +12,8 @@ import torch
 from structlog.testing import capture_logs
 
 from ember.config import Settings
+from ember.domain.spec import Tier, VersionSpec
 from ember.engine import hostcopy
-from ember.engine.spec import Tier, VersionSpec
 from ember.engine.torch_engine import TorchEngine
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import pytest
 
-from ember.loader.manifest import Manifest
+from ember.domain.manifest import Manifest
 from tests.services import background_job, free_port
 
 openai = pytest.importorskip("openai", reason="pip install openai (the client side of these tests)")

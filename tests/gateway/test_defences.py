@@ -22,11 +22,13 @@ import redis
 
 from ember.api.app import create_app
 from ember.config import Settings
+from ember.domain.spec import VersionSpec
 from ember.pools.admission import Admission
-from ember.pools.controller import DeploymentView, PoolsController
+from ember.pools.controller import PoolsController
 from ember.pools.gateway import Gateway
-from ember.pools.router import RetryBudget, Route
 from ember.registry.schemas import PoolPolicy
+from ember.serving.router import RetryBudget, Route
+from ember.serving.routing import DeploymentView
 from tests import services
 from tests.api.conftest import ADMIN_KEY
 from tests.gateway.conftest import Live, deploy, replica_auth
@@ -337,7 +339,19 @@ def test_the_gateway_hedges_only_from_what_was_earned() -> None:
     budget at its reserve no hedge goes out and the request waits for the stuck one; with
     a retry earned above the reserve the hedge goes out and wins."""
     controller = PoolsController(None, FakeBackend(), standby_pool=0)  # type: ignore[arg-type]
-    view = DeploymentView(1, "mlp", "mlp", {"1": 100}, PoolPolicy(hedge=True), {"1": {}}, [])
+    view = DeploymentView(
+        1,
+        "mlp",
+        "mlp",
+        {"1": 100},
+        PoolPolicy(hedge=True),
+        {
+            "1": VersionSpec(
+                model="mlp", version="1", artifact_uri="file:///mlp", sha256="", engine="torch"
+            )
+        },
+        [],
+    )
     gateway = Gateway(controller, Admission(1e9, 1e9), 0.1)
     payload: dict[str, Any] = {"instances": [[0.5]], "timeout_ms": 300.0}
 

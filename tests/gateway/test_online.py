@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from ember.api.problems import PROBLEM_JSON
+from ember.web.problems import PROBLEM_JSON
 from tests.gateway.conftest import Live, X, deploy, live_api, replica_auth
 
 
@@ -239,6 +239,6 @@ def test_pool_settings_reach_the_controller(data_dir: Path) -> None:
     )  # fmt: skip
     app = create_app(settings)
     with serve_app(app):
-        controller = app.state.gateway.controller
+        controller = app.state.pools
         assert controller.fill_warm is True
-        assert (controller.standby_floor, controller.standby_max) == (0, 3)
+        assert (controller.standby.floor, controller.standby.maximum) == (0, 3)

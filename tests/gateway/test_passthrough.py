@@ -8,15 +8,16 @@ from typing import Any
 
 import pytest
 
-from ember.engine.spec import Priority
+from ember.domain.spec import Priority, VersionSpec
 from ember.pools.admission import Admission
 from ember.pools.backends.base import ReplicaHandle
-from ember.pools.controller import DeploymentView, ManagedReplica, PoolsController
+from ember.pools.controller import ManagedReplica, PoolsController
 from ember.pools.gateway import Gateway
 from ember.pools.passthrough import Passthrough
 from ember.pools.predlog import PredictionLog
-from ember.pools.router import Route
 from ember.registry.schemas import PoolPolicy
+from ember.serving.router import Route
+from ember.serving.routing import DeploymentView
 from tests.gateway.test_hop import read_request, serve
 from tests.pools.test_controller_autoscale import FakeBackend
 
@@ -55,10 +56,23 @@ async def relay_until_cancelled(url: str, stop_after: bytes) -> dict[str, Any]:
     """Relay one stream as the OpenAI route does and cancel the relay (what the server
     does when the client leaves) once ``stop_after`` went out; the record it logged."""
     controller = PoolsController(None, FakeBackend(), standby_pool=0)  # type: ignore[arg-type]
-    view = DeploymentView(1, "llm", "llm", {"1": 100}, PoolPolicy(), {"1": {}}, [])
+    view = DeploymentView(
+        1,
+        "llm",
+        "llm",
+        {"1": 100},
+        PoolPolicy(),
+        {
+            "1": VersionSpec(
+                model="llm", version="1", artifact_uri="file:///llm", sha256="", engine="vllm"
+            )
+        },
+        [],
+    )
     replica = ManagedReplica(ReplicaHandle("r1", url), (1, "llm"), "llm", "1", state="ready")
     replica.route = Route("r1", url, "1")
     controller.replicas["r1"] = replica
+    controller.publish()
     log = Recorded()
     gateway = Gateway(controller, Admission(1e9, 1e9), 0.1, predictions=log)
     try:

@@ -14,14 +14,15 @@ from typing import Any
 import httpx
 import numpy as np
 
-from ember.engine.spec import REPLICA_SECRET_HEADER
+from ember.domain.spec import REPLICA_SECRET_HEADER, VersionSpec
 from ember.engine.tensorbody import MEDIA_TYPE, TensorBody
 from ember.pools.admission import Admission
 from ember.pools.backends.base import ReplicaHandle
-from ember.pools.controller import DeploymentView, ManagedReplica, PoolsController
+from ember.pools.controller import ManagedReplica, PoolsController
 from ember.pools.gateway import Gateway
-from ember.pools.router import Route
 from ember.registry.schemas import PoolPolicy
+from ember.serving.router import Route
+from ember.serving.routing import DeploymentView
 from tests.gateway.conftest import Live, X, deploy
 from tests.pools.test_controller_autoscale import FakeBackend
 
@@ -168,8 +169,13 @@ def test_the_batch_lane_reports_what_was_sent_and_leaves_out_what_cannot_serve()
     ejected replica, a warm one and another version's are not in the lane; with none
     ready the lane is empty (and a replica is asked for)."""
     controller = PoolsController(None, FakeBackend(), standby_pool=0)  # type: ignore[arg-type]
-    view = DeploymentView(1, "mlp", "mlp", {"1": 100}, PoolPolicy(max_batch_size=16),
-                          {"1": {}, "2": {}}, [])  # fmt: skip
+    specs = {
+        v: VersionSpec(
+            model="mlp", version=v, artifact_uri="file:///mlp", sha256="", engine="torch"
+        )
+        for v in ("1", "2")
+    }
+    view = DeploymentView(1, "mlp", "mlp", {"1": 100}, PoolPolicy(max_batch_size=16), specs, [])
     controller.deployments[(1, "mlp")] = view
     for rid, version, tier, ejected in [
         ("hot", "1", "hot", 0.0),
@@ -182,6 +188,7 @@ def test_the_batch_lane_reports_what_was_sent_and_leaves_out_what_cannot_serve()
                                  state="ready", tier=tier)  # fmt: skip
         replica.route = Route(rid, url, version, ejected_until=ejected)
         controller.replicas[rid] = replica
+    controller.publish()
     gateway = Gateway(controller, Admission(1e9, 1e9), 0.1)
     lane = gateway.batch_lane(view, "1", sent=40)
     assert [r["id"] for r in lane["replicas"]] == ["hot"] and lane["replicas"][0]["window"] == 64
@@ -189,4 +196,5 @@ def test_the_batch_lane_reports_what_was_sent_and_leaves_out_what_cannot_serve()
     gateway.batch_lane(view, "1", sent=0)
     assert controller.demand[((1, "mlp"), "1")] == [40.0, 40.0]
     del controller.replicas["hot"]
+    controller.publish()
     assert gateway.batch_lane(view, "1", sent=0)["replicas"] == []

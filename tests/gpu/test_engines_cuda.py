@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file as st_load
 
 from ember.config import Settings
+from ember.domain.spec import Tier, VersionSpec
 from ember.engine.examples.mlp import INPUT_SCHEMA, build_mlp_artifact, mlp
-from ember.engine.spec import Tier, VersionSpec
 from ember.engine.torch_engine import TorchEngine
 from ember.errors import InvalidInput
 from ember.registry import validation

@@ -22,7 +22,7 @@ from safetensors.torch import load_file as st_load
 from safetensors.torch import save_file
 
 from ember.config import Settings
-from ember.engine.spec import VersionSpec
+from ember.domain.spec import VersionSpec
 from ember.loader import device as dev
 from ember.loader.load import WeightLoader, load_file, module_destinations
 from ember.registry import validation

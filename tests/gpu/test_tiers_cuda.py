@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 from ember.config import Settings
+from ember.domain.spec import Tier, VersionSpec
 from ember.engine import hostcopy
 from ember.engine.examples.mlp import ENGINE_CONFIG, INPUT_SCHEMA, build_mlp_artifact
-from ember.engine.spec import Tier, VersionSpec
 from ember.engine.torch_engine import TorchEngine
 from tests.gpu.cuda import DEVICE, cuda_only, device_bytes, module_bytes, needs_device, timed
 

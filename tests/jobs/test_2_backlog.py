@@ -15,7 +15,7 @@ Y = [0.75] * 256
 
 def test_online_requests_go_ahead_of_an_async_backlog(platform: Platform) -> None:
     ids = [platform.submit([X, Y], priority=i % 10).json()["id"] for i in range(48)]
-    controller = platform.app.state.gateway.controller
+    controller = platform.app.state.gateway.control
     services.wait_until(
         lambda: controller.async_queued.get((1, MODEL), 0.0) >= 2.0, 20, "async demand"
     )  # the pools controller sees the backlog, in model units

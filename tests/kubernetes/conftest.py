@@ -41,7 +41,7 @@ from kmock._internal import enums, parsing, rendering
 from kubernetes import client
 
 from ember.config import Settings
-from ember.engine.spec import REPLICA_SECRET_ENV, REPLICA_SECRET_HEADER
+from ember.domain.spec import REPLICA_SECRET_ENV, REPLICA_SECRET_HEADER
 from ember.pools.backends import k8s_manifests as m
 from ember.pools.backends.kubernetes import KubernetesBackend
 

@@ -13,7 +13,7 @@ import httpx
 import kmock
 import pytest
 
-from ember.engine.spec import REPLICA_SECRET_ENV, REPLICA_SECRET_HEADER
+from ember.domain.spec import REPLICA_SECRET_ENV, REPLICA_SECRET_HEADER, VersionSpec
 from ember.logs import configure_logging
 from ember.pools.backends import k8s_manifests as m
 from ember.pools.backends.base import LaunchOptions
@@ -21,13 +21,13 @@ from ember.pools.backends.kubernetes import UNPLACED, VANISHED, KubernetesBacken
 from ember.registry.schemas import Placement
 from tests.kubernetes.conftest import NAMESPACE, FakeCluster, wait_for
 
-SPEC: dict[str, Any] = {
-    "model": "minilm",
-    "version": "2+cpu",
-    "artifact_uri": "s3://bucket/minilm/2/model.safetensors",
-    "sha256": "0" * 64,
-    "engine": "transformers",
-}
+SPEC = VersionSpec(
+    model="minilm",
+    version="2+cpu",
+    artifact_uri="s3://bucket/minilm/2/model.safetensors",
+    sha256="0" * 64,
+    engine="transformers",
+)
 GPU = Placement(accelerator="nvidia-l40s", gpus=1, cpu_cores=3, memory_gib=24)
 OPTIONS = LaunchOptions(16, 2.0, tenant_id=1, deployment="search", placement=GPU)
 Make = Callable[..., KubernetesBackend]

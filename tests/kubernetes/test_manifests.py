@@ -17,7 +17,7 @@ import kmock
 import pytest
 import yaml
 
-from ember.engine.spec import REPLICA_SECRET_ENV
+from ember.domain.spec import REPLICA_SECRET_ENV
 from ember.pools.backends import k8s_manifests as m
 from ember.pools.backends.base import LaunchOptions
 from ember.pools.backends.kubernetes import API_RIGHTS, KubernetesBackend
@@ -278,8 +278,8 @@ def test_vllm_versions_run_in_the_images_vllm_environment() -> None:
     standby pod (the generic runtime, no vLLM) never takes a vLLM version."""
     placement = Placement(accelerator="nvidia-l40s", gpus=1)
     for engine, exe in (("vllm", m.IMAGE_VLLM_EMBER), ("torch", "ember")):
-        kind = m.ReplicaKind(1, "chat", "llm", "1", {**SPEC, "engine": engine}, placement,
-                             (8, 5.0, 64))  # fmt: skip
+        spec = SPEC.model_copy(update={"engine": engine})
+        kind = m.ReplicaKind(1, "chat", "llm", "1", spec, placement, (8, 5.0, 64))
         container = m.deployment(kind, POD)["spec"]["template"]["spec"]["containers"][0]
         assert container["command"] == [exe]
     standby = m.ReplicaKind(0, "", "", "", None, placement, (8, 5.0, 64))
@@ -288,5 +288,5 @@ def test_vllm_versions_run_in_the_images_vllm_environment() -> None:
     dockerfile = (Path(__file__).parents[2] / "Dockerfile").read_text()
     assert m.IMAGE_VLLM_EMBER.removesuffix("/bin/ember") in dockerfile
     backend = KubernetesBackend.__new__(KubernetesBackend)
-    assert not backend.standby_can_run({**SPEC, "engine": "vllm"})
-    assert backend.standby_can_run({**SPEC, "engine": "torch"})
+    assert not backend.standby_can_run(SPEC.model_copy(update={"engine": "vllm"}))
+    assert backend.standby_can_run(SPEC.model_copy(update={"engine": "torch"}))

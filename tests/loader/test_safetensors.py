@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ember.config import Settings
+from ember.domain.safetensors import DTYPE_BITS, PREFIX_BYTES, parse_header, read_header_len
 from ember.errors import ArtifactError
 from ember.loader.load import load_file, read_header
-from ember.loader.safetensors import DTYPE_BITS, PREFIX_BYTES, parse_header, read_header_len
 
 torch = pytest.importorskip("torch")
 from safetensors.torch import _TYPES, save_file  # noqa: E402

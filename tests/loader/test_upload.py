@@ -23,9 +23,9 @@ import pytest
 
 from ember.api.app import create_app
 from ember.config import Settings
+from ember.domain.manifest import Manifest
 from ember.errors import ArtifactError, StoreUnavailable
 from ember.loader import upload
-from ember.loader.manifest import Manifest
 from ember.loader.stores import open_store
 from ember.loader.upload import (
     MAX_PARTS,

@@ -16,8 +16,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from ember.domain.spec import REPLICA_SECRET_ENV, REPLICA_SECRET_HEADER
 from ember.engine.examples.mlp import ENGINE_CONFIG, INPUT_SCHEMA, build_mlp_artifact
-from ember.engine.spec import REPLICA_SECRET_ENV, REPLICA_SECRET_HEADER
 from tests import services
 from tests.gateway.conftest import replica_auth
 from tests.metrics.conftest import ApiProc, Deployed, X

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ember.engine.spec import Priority
+from ember.domain.spec import Priority
 from ember.errors import BackPressure
 from ember.pools.admission import Admission
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from ember.domain.spec import Source
 from ember.pools.autoscaler import (
     EmberConfig,
     EmberState,
@@ -170,13 +171,13 @@ def test_a_deleted_deployment_takes_its_learned_state_with_it(store: ForecastSto
 def test_learned_promotion_times_survive_a_restart(store: ForecastStore) -> None:
     first = controller(store)
     for seconds in (14.0, 16.0, 17.0):
-        first._promoted("cold", seconds)
+        first.promotion.record(Source.cold, seconds)
     learn(first, days=0.01)
     asyncio.run(first._save_states(force=True))
     second = controller(store)
     asyncio.run(second._restore_states())
-    assert second.promotion_s["cold"] == [14.0, 16.0, 17.0]
-    assert second._promotion_times().cold_s == 16.0
+    assert second.promotion.samples[Source.cold] == [14.0, 16.0, 17.0]
+    assert second.promotion.times().cold_s == 16.0
     store.redis.hset(store.key, store.PROMOTION_FIELD, '{"cold": ["x", -1, 1e9, 3]}')
     assert store.load_promotion() == {"cold": [3.0]}  # only what a promotion can take
     store.redis.hset(store.key, store.PROMOTION_FIELD, "not json")

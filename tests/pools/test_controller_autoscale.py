@@ -12,25 +12,28 @@ from typing import Any
 import httpx
 
 from ember.costmodel import CostModel
+from ember.domain.spec import STANDBY_POOL, DeploymentKey, ReplicaState, Source, Tier, VersionSpec
 from ember.pools.autoscaler import PromotionTimes, TierCounts, decide
 from ember.pools.backends.base import LaunchOptions, ReplicaBackend, ReplicaHandle
-from ember.pools.controller import DeploymentView, ManagedReplica, PoolsController
+from ember.pools.controller import ManagedReplica, PoolsController
 from ember.pools.replay import Deployment, make_autoscaler
+from ember.pools.replica_control import ReplicaControl
 from ember.pools.simulator import SimConfig, simulate
 from ember.pools.traces import synthetic
 from ember.registry.schemas import PoolPolicy
+from ember.serving.routing import DeploymentView
 
-KEY = (1, "m")
+KEY = DeploymentKey(1, "m")
 COST = CostModel(alpha=0.0, beta=0.0, gamma=1.0, capacity_units_per_s=8.0)
 
 
 class FakeBackend(ReplicaBackend):
     def __init__(self) -> None:
-        self.launched: list[dict[str, Any] | None] = []
+        self.launched: list[VersionSpec | None] = []
         self.options: list[LaunchOptions] = []
         self._ids = itertools.count(1)
 
-    def launch(self, spec: dict[str, Any] | None, options: LaunchOptions) -> ReplicaHandle:
+    def launch(self, spec: VersionSpec | None, options: LaunchOptions) -> ReplicaHandle:
         self.launched.append(spec)
         self.options.append(options)
         n = next(self._ids)
@@ -47,7 +50,8 @@ class FakeBackend(ReplicaBackend):
 
 
 def view(**policy: Any) -> DeploymentView:
-    spec = {"cost": COST.to_dict()}
+    spec = VersionSpec(model="m", version="1", artifact_uri="file:///m", sha256="",
+                       engine="torch", cost=COST.to_dict())  # fmt: skip
     return DeploymentView(1, "m", "m", {"1": 100}, PoolPolicy(**policy), {"1": spec}, [])
 
 
@@ -82,18 +86,19 @@ def test_the_observation_counts_tiers_and_promotions_from_the_replicas() -> None
     ctl, _ = controller()
     v = view(min_hot=1)
 
-    def replica(n: int, key: tuple[int, str], state: str, tier: str, **kw: Any) -> None:
+    def replica(n: int, key: DeploymentKey, state: str, tier: str, **kw: Any) -> None:
         handle = ReplicaHandle(f"x{n}", f"http://x{n}")
         ctl.replicas[handle.replica_id] = ManagedReplica(
-            handle, key, "m", "1" if key[1] else "", state=state, tier=tier, **kw
-        )
+            handle, key, "m", "" if key.standby_pool else "1",
+            state=ReplicaState(state), tier=Tier(tier), **kw,
+        )  # fmt: skip
 
     replica(1, KEY, "ready", "hot")
     replica(2, KEY, "ready", "warm")
     replica(3, KEY, "promoting", "warm")  # warm -> hot under way
     replica(4, KEY, "starting", "hot")  # a scale-up
     replica(5, KEY, "starting", "hot", then_tier="warm")  # a warm spare: not promoting
-    replica(6, (0, ""), "standby", "standby")  # the shared standby pool
+    replica(6, STANDBY_POOL, "standby", "standby")  # the shared standby pool
     ctl.record_demand(KEY, "1", 16.0, admitted=True)
     obs = ctl.observation(KEY, v, "1", dt=2.0)
     assert obs.ready == TierCounts(hot=1, warm=1, standby=1)
@@ -105,14 +110,14 @@ def test_the_observation_counts_tiers_and_promotions_from_the_replicas() -> None
 def test_promotion_times_are_learned_per_tier() -> None:
     ctl, _ = controller()
     for s in (6.0, 7.0, 20.0):
-        ctl._promoted("cold", s)
-    ctl._promoted("warm", 0.3)
-    times = ctl._promotion_times()
+        ctl.promotion.record(Source.cold, s)
+    ctl.promotion.record(Source.warm, 0.3)
+    times = ctl.promotion.times()
     assert times.cold_s == 7.0  # p95 of three samples: the second largest
     assert times.warm_s == 0.3
     assert times.standby_s == PromotionTimes().standby_s  # not measured: the default
-    ctl.promotion_s["cold"], ctl.promotion_s["warm"] = [1.5], []
-    fast = ctl._promotion_times()  # a fast host: no tier is slower than the next one
+    ctl.promotion.samples[Source.cold], ctl.promotion.samples[Source.warm] = [1.5], []
+    fast = ctl.promotion.times()  # a fast host: no tier is slower than the next one
     assert fast == PromotionTimes(warm_s=0.6, standby_s=1.5, cold_s=1.5)
 
 
@@ -132,7 +137,7 @@ async def _warm_spares() -> None:
         return httpx.Response(404)
 
     ctl, backend = controller(fill_warm=True)
-    ctl._http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    ctl.replica_api = ReplicaControl(httpx.AsyncClient(transport=httpx.MockTransport(handler)))
     v = view(min_hot=1, max_replicas=10)
     ctl.deployments = {KEY: v}
     ctl.targets[(KEY, "1")] = TierCounts(hot=1, warm=2)
@@ -158,8 +163,8 @@ async def _warm_spares() -> None:
     by_tier = sorted((r.tier, r.state, r.route is not None) for r in ctl.replicas.values())
     assert by_tier == [("hot", "ready", True)] * 2 + [("warm", "ready", False)] * 2
     assert len(tiers) == 2 and all('"warm"' in body for _, body in tiers)
-    assert len(ctl.promotion_s["cold"]) == 4
-    await ctl._http.aclose()
+    assert len(ctl.promotion.samples[Source.cold]) == 4
+    await ctl.replica_api.aclose()
 
 
 def test_without_fill_warm_nothing_is_started_for_the_warm_tier() -> None:
@@ -179,14 +184,14 @@ def test_the_standby_pool_grows_with_the_starts_it_serves_as_the_simulator_sizes
     ctl = PoolsController(None, backend, standby_pool=1, standby_max=3)  # type: ignore[arg-type]
     ctl._keep_standby()
     assert len(backend.launched) == 1 and backend.launched == [None]  # the floor
-    ctl.standby_spawn_s = [5.0]  # learned: a standby process takes 5 s to be ready
+    ctl.standby.spawn_s = [5.0]  # learned: a standby process takes 5 s to be ready
     sim = SharedStandby(StandbyPoolConfig(replenish_s=5.0, minimum=1))
     for _ in range(2):  # two starts within one refill time
         ctl._standby_asked()
         sim.take(0.0)
-    assert ctl.standby_pool == 3 == sim.sizes[-1][1]  # one more than the most asked for
+    assert ctl.standby.size == 3 == sim.sizes[-1][1]  # one more than the most asked for
     ctl._standby_asked()  # a third: the simulator would hold 4, the cap says 3
-    assert ctl.standby_pool == 3
+    assert ctl.standby.size == 3
     assert [e["size"] for e in ctl.events if e["event"] == "standby_pool"] == [2, 3]
     ctl._keep_standby()
     assert len(backend.launched) == 3
@@ -195,13 +200,13 @@ def test_the_standby_pool_grows_with_the_starts_it_serves_as_the_simulator_sizes
         fixed = PoolsController(None, FakeBackend(), standby_pool=floor, standby_max=most)  # type: ignore[arg-type]
         for _ in range(5):
             fixed._standby_asked()
-        assert fixed.standby_pool == floor
+        assert fixed.standby.size == floor
 
 
 def test_standby_processes_reserve_memory_for_the_largest_version_that_fits() -> None:
     class NoVllm(FakeBackend):
-        def standby_can_run(self, spec: dict[str, Any]) -> bool:
-            return spec.get("engine") != "vllm"
+        def standby_can_run(self, spec: VersionSpec) -> bool:
+            return spec.engine != "vllm"
 
     backend = NoVllm()
     ctl = PoolsController(None, backend, standby_pool=1, standby_reserve_max=1 << 30)  # type: ignore[arg-type]
@@ -210,11 +215,13 @@ def test_standby_processes_reserve_memory_for_the_largest_version_that_fits() ->
     small, large, llm = view(), view(), view()
     small.sizes = {"1": 90_000_000}
     large.sizes = {"1": 3 << 30}  # beyond the cap: it would hold 3 GiB per spare
-    llm.specs = {"1": {"engine": "vllm"}}
+    llm.specs = {"1": llm.specs["1"].model_copy(update={"engine": "vllm"})}
     llm.sizes = {"1": 500_000_000}  # a standby process cannot become its replica
     gone = view()
     gone.sizes = {"1": 95_000_000, "2": 700_000_000}  # "2" no longer served (no spec)
-    ctl.deployments = {(1, "a"): small, (1, "b"): large, (1, "c"): llm, (1, "d"): gone}
+    ctl.deployments = {
+        DeploymentKey(1, n): v for n, v in zip("abcd", (small, large, llm, gone), strict=True)
+    }
     ctl.replicas.clear()
     ctl._keep_standby()
     huge = 2 * 1024 * 1024

@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from ember.config import Settings
+from ember.domain.gpus import Gpu
 from ember.pools.backends import gpus as g
-from ember.pools.backends.gpus import Gpu, GpuPool, Inventory
+from ember.pools.backends.gpus import GpuPool, Inventory
 
 
 def test_ember_gpus_states_the_inventory_or_leaves_it_to_nvml() -> None:

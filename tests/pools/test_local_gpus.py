@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from ember.config import Settings
+from ember.domain.spec import VersionSpec
 from ember.pools.backends.base import LaunchOptions, ReplicaHandle
 from ember.pools.backends.local import LocalProcessBackend, gpus_asked
 from ember.registry.schemas import Placement
@@ -29,7 +30,13 @@ from tests import services
 from tests.gateway.conftest import Live, deploy, live_api, process_environ
 from tests.pools.test_gpus import MACHINE
 
-SPEC = {"model": "m", "version": "1", "artifact_uri": "file:///nowhere/model.safetensors"}
+SPEC = VersionSpec(
+    model="m",
+    version="1",
+    artifact_uri="file:///nowhere/model.safetensors",
+    sha256="",
+    engine="torch",
+)
 CPU = LaunchOptions(tenant_id=1, deployment="m")
 
 
@@ -45,7 +52,7 @@ class WaitingBackend(LocalProcessBackend):
 
     program: Path
 
-    def executable(self, spec: dict[str, Any] | None) -> Path:
+    def executable(self, spec: VersionSpec | None) -> Path:
         return self.program
 
 

@@ -17,6 +17,7 @@ from ember.pools.backends.base import ReplicaHandle
 from ember.pools.controller import ManagedReplica, PoolsController
 from ember.pools.plan import Actions, Inventory, Target, hot_target, plan
 from ember.pools.replay import Deployment, make_autoscaler
+from ember.pools.replica_control import ReplicaControl
 from ember.pools.simulator import SimConfig, simulate
 from ember.pools.traces import synthetic
 from ember.registry.schemas import PoolPolicy
@@ -80,7 +81,7 @@ async def _replay(fill_warm: bool) -> None:
 
     ok = httpx.MockTransport(lambda request: httpx.Response(200, json={}))
     ctl = PoolsController(None, FakeBackend(), standby_pool=0, fill_warm=fill_warm)  # type: ignore[arg-type]
-    ctl._http = httpx.AsyncClient(transport=ok)
+    ctl.replica_api = ReplicaControl(httpx.AsyncClient(transport=ok))
     ctl.deployments = {KEY: view(**POLICY)}
     live = ctl.scaler(KEY, ctl.deployments[KEY], "1")
     live.log_decisions = False
@@ -98,7 +99,7 @@ async def _replay(fill_warm: bool) -> None:
         await asyncio.gather(*ctl._assigning)
         for name in Actions.__dataclass_fields__:
             seen[name] = seen.get(name, 0) + getattr(actions, name)
-    await ctl._http.aclose()
+    await ctl.replica_api.aclose()
     # The trace made it do everything it can do, not only idle at the floor.
     wanted = {"start_hot", "promote", "demote", "stop_hot", "cancel_hot"} | (
         {"start_warm"} if fill_warm else set()

@@ -7,13 +7,13 @@ from __future__ import annotations
 import functools
 import math
 
+from ember.domain.spec import Source, Tier
 from ember.pools.autoscaler import (
     Decision,
     EmberConfig,
     EmberState,
     Observation,
     PromotionTimes,
-    Tier,
     TierCounts,
     decide,
 )
@@ -87,8 +87,8 @@ def test_each_tier_covers_the_forecast_one_promotion_from_the_tier_below() -> No
     # ... and hot one warm promotion ahead (2 * 1.1 + 1 = 3.2 s).
     assert day3 - 3.2 <= hot_at <= day3 - 2
     staged = dict(run)[hot_at].stages
-    assert [s.tier for s in staged] == [Tier.HOT, Tier.WARM, Tier.STANDBY]
-    assert [s.source for s in staged] == [Tier.WARM, Tier.STANDBY, Tier.COLD]
+    assert [s.tier for s in staged] == [Tier.hot, Tier.warm, Tier.standby]
+    assert [s.source for s in staged] == [Source.warm, Source.standby, Source.cold]
 
 
 def test_under_full_charge_hot_covers_a_cold_start_and_no_idle_buffer_is_kept() -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from ember.config import Settings
-from ember.engine.spec import VersionSpec
+from ember.domain.spec import DeploymentKey, VersionSpec
 from ember.loader.cache import WeightCache, tenant_cache_dir
 from ember.loader.load import WeightLoader
 from ember.loader.warmset import WarmSet
@@ -21,8 +21,8 @@ pytest.importorskip("torch")
 
 
 def _controller(spec: dict[str, Any]) -> Any:
-    view = SimpleNamespace(model="mlp", traffic={"1": 100}, specs={"1": spec})
-    return SimpleNamespace(replicas={}, deployments={(1, "mlp"): view})
+    view = SimpleNamespace(model="mlp", traffic={"1": 100}, specs={"1": VersionSpec(**spec)})
+    return SimpleNamespace(replicas={}, deployments={DeploymentKey(1, "mlp"): view})
 
 
 def test_a_directory_version_is_held_shard_by_shard(data_dir: Path) -> None:

@@ -19,7 +19,7 @@ import pytest
 
 from ember.api.app import create_app
 from ember.config import Settings
-from ember.engine.spec import VersionSpec
+from ember.domain.spec import VersionSpec
 from ember.errors import InvalidInput
 from tests import services
 from tests.api.conftest import ADMIN_KEY, Api
@@ -298,7 +298,7 @@ def test_a_replica_refuses_a_factory_outside_its_allowlist_before_importing_it(
 
 
 def test_a_replica_builds_vllm_argv_from_allowed_flags_only(settings: Settings) -> None:
-    from ember.engine.spec import VllmOptions
+    from ember.domain.spec import VllmOptions
     from ember.engine.vllm_engine import vllm_argv
 
     def argv(

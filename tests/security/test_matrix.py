@@ -58,7 +58,7 @@ ADMIN_ONLY: Scopes = frozenset({ADMIN})
 PUBLIC = {("GET", p) for p in ("/healthz", "/readyz", "/v2", "/v2/health/live", "/v2/health/ready")}
 #: Served without a key and left out of the document: the document and its viewers.
 UNDOCUMENTED = {("GET", p) for p in ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")}
-#: The dashboard's static files (ember/ui: no data; its JSON is documented and in the matrix).
+#: The dashboard's static files (ember/api/ui: no data; its JSON is documented and in the matrix).
 UNDOCUMENTED |= {("GET", p) for p in ("/ui", "/ui/", "/ui/static/{path:path}")}
 #: The data plane (tenant, admin and worker keys; the worker acts for a job's tenant).
 DATA_PLANE = re.compile(r"(:predict$)|(^/v2/models/)|(^/openai/v1/)")

@@ -363,6 +363,6 @@ def test_page_code_puts_no_markup_from_data() -> None:
     """Every string from the API goes in as text: the page's code has no HTML sinks."""
     from importlib import resources
 
-    code = (resources.files("ember.ui") / "static" / "app.js").read_text()
+    code = (resources.files("ember.api.ui") / "static" / "app.js").read_text()
     for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval("):
         assert sink not in code, sink

@@ -7,7 +7,6 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path, Request, Response, status
 
 from ember.api.deps import Cursor, Limit, PrincipalDep, SessionDep, SettingsDep
-from ember.api.problems import problem_responses
 from ember.errors import NotReady
 from ember.registry import deployments, quotas
 from ember.registry.schemas import (
@@ -20,6 +19,7 @@ from ember.registry.schemas import (
     PromoteRequest,
     RevisionPublic,
 )
+from ember.web.problems import problem_responses
 
 router = APIRouter(prefix="/v1/deployments", tags=["deployments"])
 DeploymentName = Annotated[str, Path(pattern=NAME_PATTERN, description="Deployment name.")]
@@ -29,9 +29,9 @@ def _controller_sees(request: Request) -> None:
     """Read your writes: this API process's pools controller re-reads the registry now, so
     a request right after the change already sees it (other API processes within their
     next registry read, about a second)."""
-    gateway = getattr(request.app.state, "gateway", None)
-    if gateway is not None:
-        gateway.controller.refresh()
+    pools = getattr(request.app.state, "pools", None)
+    if pools is not None:
+        pools.refresh()
 
 
 OVER_QUOTA = problem_responses((403, "Over the tenant's replicas, GPUs, CPU or memory quota"))
@@ -162,8 +162,8 @@ def autoscaler(
     plans with (learned per tier), and its last decisions. 503 on an API process that
     runs no pools controller."""
     deployment = deployments.get(session, principal.tenant_id, name)
-    gateway = getattr(request.app.state, "gateway", None)
-    if gateway is None:
+    pools = getattr(request.app.state, "pools", None)
+    if pools is None:
         raise NotReady("this API process runs no pools controller (EMBER_POOLS_ENABLED=false)")
     key = (deployment.tenant_id, deployment.name)
-    return {"deployment": name, **gateway.controller.autoscaler_of(key)}
+    return {"deployment": name, **pools.autoscaler_of(key)}

@@ -8,7 +8,6 @@ from fastapi import APIRouter, Header, Path, Query, Request, Response, status
 from fastapi.responses import StreamingResponse
 
 from ember.api.deps import Cursor, Limit, PrincipalDep, SessionDep, SettingsDep
-from ember.api.problems import problem_responses
 from ember.errors import Conflict, NotFound, ObjectNotFound
 from ember.jobs import results, submit, webhooks
 from ember.jobs.queue import Publisher
@@ -26,6 +25,7 @@ from ember.loader.stores import open_store
 from ember.registry.pagination import paginate
 from ember.registry.schemas import NAME_PATTERN, Page
 from ember.registry.tables import Job, JobStatus
+from ember.web.problems import problem_responses
 
 router = APIRouter(tags=["jobs"])
 JobId = Annotated[str, Path(pattern=JOB_ID_PATTERN, description="A job id (`job_...`).")]

@@ -7,7 +7,8 @@ from typing import Annotated
 from fastapi import APIRouter, BackgroundTasks, Path, Request, Response, status
 
 from ember.api.deps import Cursor, Limit, PrincipalDep, SessionDep, SettingsDep
-from ember.registry import catalog, trust
+from ember.domain import trust
+from ember.registry import catalog
 from ember.registry.schemas import (
     NAME_PATTERN,
     VERSION_PATTERN,

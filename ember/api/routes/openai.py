@@ -14,31 +14,40 @@ names the version that served it in ``X-Ember-Version`` (and embeddings in ``mod
 ``name:version``). Errors are RFC 9457 problems carrying OpenAI's
 ``{"error": {"message", "type", "code"}}`` member, with the status codes the ``openai``
 client maps to its exceptions (a malformed request is 400, as OpenAI answers).
+
+The routes only: the request and response models, the embeddings' encoding and the SSE
+error framing are ``ember.api.protocols.openai``. Every route authenticates with
+``PrincipalDep``, as every data-plane route does.
 """
 
 from __future__ import annotations
 
-import base64
-import json
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
-import numpy as np
 from fastapi import APIRouter, Header, Path, Request, Response
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import Receive, Scope, Send
 
-from ember.api.bodies import M, parse_object
 from ember.api.deps import PrincipalDep
-from ember.api.problems import DATA_PLANE_RESPONSES, problem_responses
+from ember.api.protocols import openai as protocol
+from ember.api.protocols.common import ProtocolMismatch, requested_priority
+from ember.api.protocols.openai import (
+    EmbeddingRequest,
+    EmbeddingResponse,
+    GenerationRequest,
+    ModelCard,
+    ModelList,
+)
 from ember.api.routes.predict import gateway_of, set_prediction_headers
-from ember.api.routes.v2 import ProtocolMismatch
-from ember.engine.spec import Priority
-from ember.errors import EngineError, MalformedRequest, NotFound, NotReady
-from ember.pools.controller import DeploymentView
+from ember.domain.spec import VersionSpec
+from ember.errors import MalformedRequest, NotFound, NotReady
 from ember.pools.gateway import Gateway, Prediction
 from ember.pools.passthrough import Opened, Passthrough
+from ember.registry.tenants import Principal
+from ember.serving.routing import DeploymentView
+from ember.web.bodies import M, parse_object
+from ember.web.problems import DATA_PLANE_RESPONSES, problem_responses
 
 router = APIRouter(
     prefix="/openai/v1",
@@ -49,66 +58,6 @@ PriorityHeader = Annotated[
     str | None, Header(max_length=16, description="online (default) | async | batch")
 ]
 SessionHeader = Annotated[str | None, Header(max_length=256)]
-MAX_EMBEDDING_INPUTS = 2048
-#: Completion length assumed for admission when the request does not say (vLLM's default).
-DEFAULT_MAX_TOKENS = 16
-
-
-# --- wire schemas ------------------------------------------------------------------------
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: str = Field(min_length=1, max_length=200)
-    input: str | list[str] | list[int] | list[list[int]]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1)
-    user: str | None = Field(None, max_length=256)
-
-
-class Embedding(BaseModel):
-    object: Literal["embedding"] = "embedding"
-    index: int
-    embedding: list[float] | str
-
-
-class EmbeddingUsage(BaseModel):
-    prompt_tokens: int
-    total_tokens: int
-
-
-class EmbeddingResponse(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[Embedding]
-    model: str
-    usage: EmbeddingUsage
-
-
-class GenerationRequest(BaseModel):
-    """What Ember reads of a completion request; every other field goes to vLLM as sent."""
-
-    model_config = ConfigDict(extra="allow")
-
-    model: str = Field(min_length=1, max_length=200)
-    stream: bool = False
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-
-
-# --- helpers -----------------------------------------------------------------------------
 
 
 async def _body(request: Request, schema: type[M]) -> tuple[M, dict[str, Any]]:
@@ -126,31 +75,11 @@ def _target(gateway: Gateway, tenant_id: int, model: str) -> tuple[DeploymentVie
     return view, version or None
 
 
-def _spec(view: DeploymentView, version: str | None) -> dict[str, Any]:
+def _spec(view: DeploymentView, version: str | None) -> VersionSpec:
     chosen = version or view.production or min(view.specs, default=None)
     if chosen is None:
         raise NotReady(f"deployment {view.name!r} serves no ready version yet")
     return view.specs[chosen]
-
-
-def _priority(header: str | None) -> Priority:
-    try:
-        return Priority.requested(header)
-    except ValueError as exc:
-        raise MalformedRequest(str(exc)) from None
-
-
-def _text_size(value: Any, depth: int = 0) -> int:
-    """Characters of text in a prompt or messages (for a token estimate)."""
-    if isinstance(value, str):
-        return len(value)
-    if depth > 8:
-        return 0
-    if isinstance(value, list):
-        return sum(_text_size(v, depth + 1) for v in value)
-    if isinstance(value, dict):
-        return sum(_text_size(v, depth + 1) for v in value.values())
-    return 1 if isinstance(value, int) else 0  # token ids count one each
 
 
 def _headers(response: Response, view: DeploymentView, opened: Opened) -> None:
@@ -160,18 +89,12 @@ def _headers(response: Response, view: DeploymentView, opened: Opened) -> None:
     set_prediction_headers(response, served)
 
 
-def _sse_error(message: str) -> bytes:
-    """An SSE event the ``openai`` client raises as an ``APIError``."""
-    error = {"message": message, "type": "server_error", "param": None, "code": "engine-error"}
-    return f"data: {json.dumps({'error': error})}\n\n".encode()
-
-
 class _Relay(StreamingResponse):
     """Streams a replica's answer; releases the replica however the stream ends (also
     when the client leaves before the first byte)."""
 
     def __init__(self, opened: Opened) -> None:
-        super().__init__(opened.stream(_sse_error), media_type=opened.media_type)
+        super().__init__(opened.stream(protocol.sse_error), media_type=opened.media_type)
         self.opened = opened
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -187,7 +110,7 @@ class _Relay(StreamingResponse):
 def _cards(gateway: Gateway, tenant_id: int, owner: str) -> list[ModelCard]:
     created = int(time.time())
     cards = []
-    for (tenant, name), view in sorted(gateway.controller.deployments.items()):
+    for (tenant, name), view in sorted(gateway.control.deployments.items()):
         if tenant != tenant_id:
             continue
         for model in (name, *(f"{name}:{v}" for v in sorted(view.specs))):
@@ -232,44 +155,18 @@ async def embeddings(
     body, _ = await _body(request, EmbeddingRequest)
     view, version = _target(gateway, principal.tenant_id, body.model)
     spec = _spec(view, version)
-    task = (spec.get("engine_config") or {}).get("task", "embedding")
-    if spec.get("engine") != "transformers" or task != "embedding":
-        raise ProtocolMismatch(f"model {body.model!r} ({spec.get('engine')}) is not an "
-                               "embedding model", engine=spec.get("engine"))  # fmt: skip
-    texts = [body.input] if isinstance(body.input, str) else body.input
-    if not texts:
-        raise MalformedRequest("input must not be empty")
-    if not all(isinstance(t, str) for t in texts):
-        raise MalformedRequest("input must be text: token arrays are not supported")
-    if len(texts) > MAX_EMBEDDING_INPUTS:
-        raise MalformedRequest(f"input has {len(texts)} items; at most {MAX_EMBEDDING_INPUTS}")
-    priority = _priority(x_ember_priority)
+    if spec.engine != "transformers" or spec.engine_config.get("task", "embedding") != "embedding":
+        raise ProtocolMismatch(f"model {body.model!r} ({spec.engine}) is not an "
+                               "embedding model", engine=spec.engine)  # fmt: skip
+    texts = protocol.embedding_texts(body)
+    priority = requested_priority(x_ember_priority)
     timeout_ms = float(view.policy.timeout_ms)
     result = await gateway.predict(
-        view, principal.tenant, list(texts), priority, timeout_ms, x_ember_session, version
+        view, principal.tenant, texts, priority, timeout_ms, x_ember_session, version
     )
     set_prediction_headers(response, result)
-    vectors = result.body["predictions"]
-    data = []
-    for index, vector in enumerate(vectors):
-        if not isinstance(vector, list) or not all(
-            isinstance(x, int | float) and not isinstance(x, bool) for x in vector
-        ):
-            raise EngineError(f"{body.model!r} answered something that is not an embedding")
-        if body.dimensions is not None and body.dimensions != len(vector):
-            raise MalformedRequest(
-                f"dimensions {body.dimensions} is not supported: {body.model!r} gives "
-                f"{len(vector)}-dimensional embeddings"
-            )
-        if body.encoding_format == "base64":
-            raw = np.asarray(vector, dtype="<f4").tobytes()
-            data.append(Embedding(index=index, embedding=base64.b64encode(raw).decode()))
-        else:
-            data.append(Embedding(index=index, embedding=vector))
-    # The replica does not report token counts for embeddings yet: usage reads zero.
-    usage = EmbeddingUsage(prompt_tokens=0, total_tokens=0)
     served = f"{view.name}:{result.version}"
-    return EmbeddingResponse(data=data, model=served, usage=usage)
+    return protocol.embedding_response(body, result.body["predictions"], served)
 
 
 GENERATION_DOC = {"requestBody": {"required": True, "content": {
@@ -287,7 +184,7 @@ GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 async def _generate(
     request: Request,
-    principal: Any,
+    principal: Principal,
     path: str,
     text_field: str,
     priority_header: str | None,
@@ -297,19 +194,18 @@ async def _generate(
     body, document = await _body(request, GenerationRequest)
     view, version = _target(gateway, principal.tenant_id, body.model)
     spec = _spec(view, version)
-    if spec.get("engine") != "vllm":
-        raise ProtocolMismatch(f"model {body.model!r} ({spec.get('engine')}) does not "
-                               "generate text", engine=spec.get("engine"))  # fmt: skip
-    max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
+    if spec.engine != "vllm":
+        raise ProtocolMismatch(f"model {body.model!r} ({spec.engine}) does not "
+                               "generate text", engine=spec.engine)  # fmt: skip
     opened = await Passthrough(gateway).open(
         view,
         principal.tenant,
         path,
         lambda chosen: document | {"model": f"{view.name}:{chosen}"},
-        priority=_priority(priority_header),
+        priority=requested_priority(priority_header),
         timeout_ms=float(view.policy.timeout_ms),
-        input_size=_text_size(document.get(text_field)) / 4 + 1,
-        output_size=max(1, max_tokens),
+        input_size=protocol.text_size(document.get(text_field)) / 4 + 1,
+        output_size=body.completion_tokens(),
         session_key=session_key,
         version=version,
     )
@@ -321,25 +217,13 @@ async def _generate(
     answer = Response(content, status_code=opened.status, media_type=opened.media_type)
     if opened.status == 200:
         _headers(answer, view, opened)
-    if opened.status != 200 and not _openai_shaped(content):
-        answer = Response(
-            json.dumps({"error": {"message": content.decode(errors="replace")[:500],
-                                  "type": "server_error", "param": None,
-                                  "code": opened.status}}),
-            status_code=opened.status, media_type="application/json",
-        )  # fmt: skip
+    if opened.status != 200 and not protocol.openai_shaped(content):
+        answer = Response(protocol.error_body(content, opened.status),
+                          status_code=opened.status, media_type="application/json")  # fmt: skip
     retry_after = opened.response.headers.get("retry-after")
     if retry_after:
         answer.headers["Retry-After"] = retry_after
     return answer
-
-
-def _openai_shaped(content: bytes) -> bool:
-    try:
-        document = json.loads(content)
-    except ValueError:
-        return False
-    return isinstance(document, dict) and isinstance(document.get("error"), dict)
 
 
 @router.post(

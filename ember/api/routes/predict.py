@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Header, Path, Request, Response
-from fastapi.security import HTTPAuthorizationCredentials
-from fastapi.security.utils import get_authorization_scheme_param
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import Scope
 
@@ -15,12 +13,11 @@ from ember.api.deps import (
     ControlPlane,
     PrincipalDep,
     SessionDep,
+    authenticate_key,
+    bearer_key,
     cached_principal,
-    get_principal,
 )
-from ember.api.lane import Answer, header_values
-from ember.api.problems import DATA_PLANE_RESPONSES
-from ember.engine.spec import Priority
+from ember.domain.spec import Priority
 from ember.engine.tensorbody import TIMEOUT_HEADER, is_tensor, timeout_header
 from ember.engine.tensorbody import parse as parse_tensor
 from ember.errors import InvalidInput, NotReady
@@ -28,6 +25,11 @@ from ember.pools.gateway import Gateway, Instances, Prediction
 from ember.registry import deployments
 from ember.registry.schemas import NAME_PATTERN, VERSION_PATTERN
 from ember.registry.tenants import Principal
+from ember.web.lane import Answer, header_values
+from ember.web.problems import DATA_PLANE_RESPONSES
+
+if TYPE_CHECKING:
+    from ember.pools.controller import PoolsController
 
 router = APIRouter(tags=["predict"], responses=DATA_PLANE_RESPONSES)
 ModelName = Annotated[str, Path(pattern=NAME_PATTERN, description="Model name.")]
@@ -211,13 +213,8 @@ async def tensor_predict(
         raise InvalidInput(f"X-Ember-Tenant is longer than {TENANT_MAX} characters")
     if session_key is not None and len(session_key) > SESSION_MAX:
         raise InvalidInput(f"X-Ember-Session is longer than {SESSION_MAX} characters")
-    state = scope["app"].state
-    principal = cached_principal(state.principals, authorization, tenant, state.engine)
-    if principal is None:  # what PrincipalDep does: authenticate, cache, or refuse
-        scheme, key = get_authorization_scheme_param(authorization)
-        bearer = scheme.lower() == "bearer" and key
-        credentials = HTTPAuthorizationCredentials(scheme=scheme, credentials=key)
-        principal = await get_principal(Request(scope), credentials if bearer else None, tenant)
+    # PrincipalDep's own authentication (FastAPI's dependencies never see this path)
+    principal = await authenticate_key(scope["app"].state, bearer_key(authorization), tenant)
     priority, timeout = header_values(scope, b"x-ember-priority", TIMEOUT_HEADER.encode())
     body = parse_tensor(ctype, raw, MAX_INSTANCES)
     timeout_ms = timeout_header(timeout, MAX_TIMEOUT_MS)
@@ -325,7 +322,8 @@ def replicas(
     principal: PrincipalDep,
 ) -> dict[str, Any]:
     deployment = deployments.get(session, principal.tenant_id, name)
-    gateway = gateway_of(request)
+    gateway_of(request)  # the problem where pools are off
+    pools: PoolsController = request.app.state.pools  # the control side's own view
     key = (deployment.tenant_id, deployment.name)
-    events = [e for e in gateway.controller.events if (e["tenant_id"], e["deployment"]) == key]
-    return {"deployment": name, "replicas": gateway.controller.replicas_of(key), "events": events}
+    events = [e for e in pools.events if (e["tenant_id"], e["deployment"]) == key]
+    return {"deployment": name, "replicas": pools.replicas_of(key), "events": events}

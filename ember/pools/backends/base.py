@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ember.engine.spec import REPLICA_SECRET_HEADER
+from ember.domain.spec import REPLICA_SECRET_HEADER, VersionSpec
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -91,11 +91,11 @@ class ReplicaBackend(ABC):
     the controller then leaves them to its successor instead of stopping them."""
 
     @abstractmethod
-    def launch(self, spec: dict[str, Any] | None, options: LaunchOptions) -> ReplicaHandle:
-        """Start a replica for ``spec`` (a VersionSpec dict), or a standby process (None).
+    def launch(self, spec: VersionSpec | None, options: LaunchOptions) -> ReplicaHandle:
+        """Start a replica for ``spec`` (its version), or a standby process (None).
         Returns at once; readiness is observed through the replica's ``/readyz``."""
 
-    def standby_can_run(self, spec: dict[str, Any]) -> bool:
+    def standby_can_run(self, spec: VersionSpec) -> bool:
         """Whether a standby process (generic runtime) can take ``spec`` (its engine's
         runtime may live elsewhere, e.g. vLLM in its own environment)."""
         return True
@@ -113,20 +113,20 @@ class ReplicaBackend(ABC):
         """Stop at once (a hung replica gets no grace)."""
 
     def standby_can_take(
-        self, handle: ReplicaHandle, spec: dict[str, Any], options: LaunchOptions
+        self, handle: ReplicaHandle, spec: VersionSpec, options: LaunchOptions
     ) -> bool:
         """Whether this standby replica (``handle``) can be assigned ``spec``: the right
         runtime and, on a cluster, the right hardware and size."""
         return self.standby_can_run(spec)
 
     def assign_query(
-        self, handle: ReplicaHandle, spec: dict[str, Any], options: LaunchOptions
+        self, handle: ReplicaHandle, spec: VersionSpec, options: LaunchOptions
     ) -> dict[str, Any]:
         """What ``POST /assign`` adds to the query for this backend, besides the batch
         policy (the local backend: the tenant, and the uid the process drops to)."""
         return {}
 
-    def assigned(self, handle: ReplicaHandle, spec: dict[str, Any], options: LaunchOptions) -> None:
+    def assigned(self, handle: ReplicaHandle, spec: VersionSpec, options: LaunchOptions) -> None:
         """The controller gave standby ``handle`` a version (cluster backends relabel it)."""
         return None
 

@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ember.engine.spec import REPLICA_SECRET_ENV
+from ember.domain.spec import REPLICA_SECRET_ENV, VersionSpec
 from ember.registry.schemas import Placement
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ class ReplicaKind:
     deployment: str
     model: str
     version: str
-    spec: dict[str, Any] | None
+    spec: VersionSpec | None
     """None: standby."""
     placement: Placement
     batch: tuple[int, float, int]
@@ -186,9 +186,7 @@ target): vLLM versions run there, every other replica and standby pod in ``ember
 
 
 def _executable(kind: ReplicaKind) -> str:
-    return (
-        IMAGE_VLLM_EMBER if kind.spec is not None and kind.spec.get("engine") == "vllm" else "ember"
-    )
+    return IMAGE_VLLM_EMBER if kind.spec is not None and kind.spec.engine == "vllm" else "ember"
 
 
 def _container(kind: ReplicaKind, pod: PodSettings) -> dict[str, Any]:
@@ -317,7 +315,7 @@ def version_annotations(kind: ReplicaKind) -> dict[str, str]:
         "ember.dev/version": kind.version,
         "ember.dev/deployment": kind.deployment,
         "ember.dev/tenant-id": str(kind.tenant_id),
-        SPEC: json.dumps(kind.spec, sort_keys=True, separators=(",", ":")),
+        SPEC: json.dumps(kind.spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":")),
     }
 
 

@@ -69,6 +69,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import Counter
 
 from ember.config import Settings
+from ember.domain.spec import VersionSpec
 from ember.errors import EmberError
 from ember.logs import get_logger, model_context
 from ember.pools.backends import k8s_manifests as m
@@ -291,7 +292,7 @@ class KubernetesBackend(ReplicaBackend):
 
     # --- the replica interface ----------------------------------------------------------
 
-    def launch(self, spec: dict[str, Any] | None, options: LaunchOptions) -> ReplicaHandle:
+    def launch(self, spec: VersionSpec | None, options: LaunchOptions) -> ReplicaHandle:
         kind = self._kind(spec, options)
         manifest = m.deployment(kind, self.pod)
         group = manifest["metadata"]["name"]
@@ -313,13 +314,13 @@ class KubernetesBackend(ReplicaBackend):
             log.info("replica pod requested", k8s_deployment=group, hardware=kind.hardware)
         return handle
 
-    def standby_can_run(self, spec: dict[str, Any]) -> bool:
+    def standby_can_run(self, spec: VersionSpec) -> bool:
         """A standby pod runs the image's own ``ember``, which has no vLLM (vLLM versions
         run in its own virtualenv: ``k8s_manifests.IMAGE_VLLM_EMBER``)."""
-        return spec.get("engine") != "vllm"
+        return spec.engine != "vllm"
 
     def standby_can_take(
-        self, handle: ReplicaHandle, spec: dict[str, Any], options: LaunchOptions
+        self, handle: ReplicaHandle, spec: VersionSpec, options: LaunchOptions
     ) -> bool:
         slot = self._slots.get(handle.replica_id)
         if slot is None or slot.pod is None:
@@ -334,13 +335,13 @@ class KubernetesBackend(ReplicaBackend):
         )
 
     def assign_query(
-        self, handle: ReplicaHandle, spec: dict[str, Any], options: LaunchOptions
+        self, handle: ReplicaHandle, spec: VersionSpec, options: LaunchOptions
     ) -> dict[str, Any]:
         """The tenant, so that the standby pod caches under its tenant's directory (no
         uid: the pod runs as ``m.ENGINE_UID`` from the start)."""
         return {"tenant_id": options.tenant_id}
 
-    def assigned(self, handle: ReplicaHandle, spec: dict[str, Any], options: LaunchOptions) -> None:
+    def assigned(self, handle: ReplicaHandle, spec: VersionSpec, options: LaunchOptions) -> None:
         with self._cond:
             slot = self._slots.get(handle.replica_id)
             if slot is None or slot.pod is None or slot.group is None:
@@ -558,7 +559,7 @@ class KubernetesBackend(ReplicaBackend):
 
     def _kind(
         self,
-        spec: dict[str, Any] | None,
+        spec: VersionSpec | None,
         options: LaunchOptions,
         placement: Placement | None = None,
     ) -> m.ReplicaKind:
@@ -568,8 +569,8 @@ class KubernetesBackend(ReplicaBackend):
         return m.ReplicaKind(
             options.tenant_id,
             options.deployment,
-            str(spec["model"]),
-            str(spec["version"]),
+            spec.model,
+            spec.version,
             spec,
             placement or options.placement or Placement(),
             (options.max_batch_size, options.max_queue_delay_ms, options.max_queue),
@@ -632,10 +633,12 @@ class KubernetesBackend(ReplicaBackend):
         if name is None or pod is None or handle.replica_id in self._slots:
             return
         ann, labels = _meta(pod).get("annotations") or {}, _meta(pod).get("labels") or {}
-        spec = json.loads(ann[m.SPEC]) if m.SPEC in ann else None
+        spec = VersionSpec.model_validate_json(ann[m.SPEC]) if m.SPEC in ann else None
         model = ann.get("ember.dev/model", "")
-        if spec is None and model:  # an assigned standby pod: the spec went by /assign
-            spec = {"model": model, "version": ann.get("ember.dev/version", "")}
+        if spec is None and model:  # an assigned standby pod: the spec went by /assign;
+            # only its names are known here (all the slot needs of it)
+            version = ann.get("ember.dev/version", "")
+            spec = VersionSpec(model=model, version=version, artifact_uri="", sha256="", engine="")
         hardware = labels.get("ember.dev/hardware", m.CPU)
         cpu_cores, memory_gib = self.standby_size  # what a standby pod of it would take
         accelerator = None if hardware == m.CPU else hardware

@@ -30,7 +30,6 @@ ready — such a rollout needs free devices.
 
 from __future__ import annotations
 
-import json
 import os
 import pwd
 import secrets
@@ -48,12 +47,13 @@ from urllib.parse import unquote
 
 import ember
 from ember.config import Settings
+from ember.domain.gpus import Gpu
+from ember.domain.spec import REPLICA_SECRET_ENV, VersionSpec
 from ember.engine.privileges import blocked_for_others, raise_memlock, tenant_home
-from ember.engine.spec import REPLICA_SECRET_ENV
 from ember.loader.cache import tenant_cache_dir
 from ember.logs import bound, get_logger, model_context
 from ember.pools.backends.base import LaunchOptions, ReplicaBackend, ReplicaHandle
-from ember.pools.backends.gpus import CUDA_VISIBLE, Gpu, GpuPool, discover
+from ember.pools.backends.gpus import CUDA_VISIBLE, GpuPool, discover
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -142,11 +142,11 @@ def gpus_asked(placement: Placement | None) -> int:
     return placement.gpus if placement is not None and placement.accelerator else 0
 
 
-def _context(spec: dict[str, Any] | None) -> AbstractContextManager[None]:
+def _context(spec: VersionSpec | None) -> AbstractContextManager[None]:
     """The log context of a replica of ``spec`` (a standby process: none)."""
     if spec is None:
         return bound()
-    return model_context(str(spec.get("model", "")), str(spec.get("version", "")))
+    return model_context(spec.model, spec.version)
 
 
 @dataclass
@@ -160,7 +160,7 @@ class _Launch:
     env: dict[str, str]
     home: Path
     user: tuple[int, int] | None
-    spec: dict[str, Any] | None
+    spec: VersionSpec | None
 
 
 class LocalProcessBackend(ReplicaBackend):
@@ -287,14 +287,14 @@ class LocalProcessBackend(ReplicaBackend):
         env[REPLICA_SECRET_ENV] = secret
         return env
 
-    def _s3(self, spec: dict[str, Any] | None) -> bool:
+    def _s3(self, spec: VersionSpec | None) -> bool:
         """Whether the replica may read S3 (and so gets the ``AWS_*`` credentials)."""
         if spec is not None:
-            return str(spec.get("artifact_uri", "")).startswith("s3://")
+            return spec.artifact_uri.startswith("s3://")
         s = self.settings
         return s.store_url.startswith("s3://") or bool(s.s3_endpoint_url or s.s3_allowed_buckets)
 
-    def launch(self, spec: dict[str, Any] | None, options: LaunchOptions) -> ReplicaHandle:
+    def launch(self, spec: VersionSpec | None, options: LaunchOptions) -> ReplicaHandle:
         """Start the replica now, or — one that needs GPUs not free yet — queue it (it
         starts when they are); one that asks for more GPUs than the host has is refused
         (``exited`` says so at once, ``exit_reason`` why)."""
@@ -323,7 +323,7 @@ class LocalProcessBackend(ReplicaBackend):
         return handle
 
     def _prepare(
-        self, handle: ReplicaHandle, spec: dict[str, Any] | None, options: LaunchOptions
+        self, handle: ReplicaHandle, spec: VersionSpec | None, options: LaunchOptions
     ) -> _Launch:
         """Everything a replica's process needs but its port and devices: its arguments,
         environment, home and user, and its spec file."""
@@ -349,7 +349,7 @@ class LocalProcessBackend(ReplicaBackend):
             with os.fdopen(fd, "w") as out:
                 if user is not None:
                     os.fchown(out.fileno(), *user)
-                out.write(json.dumps(spec))
+                out.write(spec.model_dump_json())
             args += ["--spec-file", str(spec_file)]
         return _Launch(handle, self.executable(spec), args, env, home, user, spec)
 
@@ -399,13 +399,13 @@ class LocalProcessBackend(ReplicaBackend):
         return self.gpus.waiting(replica_id) if replica_id in self.queued else None
 
     def standby_can_take(
-        self, handle: ReplicaHandle, spec: dict[str, Any], options: LaunchOptions
+        self, handle: ReplicaHandle, spec: VersionSpec, options: LaunchOptions
     ) -> bool:
         """Never for a version that needs GPUs: standby processes hold no device."""
         return gpus_asked(options.placement) == 0 and self.standby_can_run(spec)
 
     def assign_query(
-        self, handle: ReplicaHandle, spec: dict[str, Any], options: LaunchOptions
+        self, handle: ReplicaHandle, spec: VersionSpec, options: LaunchOptions
     ) -> dict[str, Any]:
         """The tenant (its cache directory and home) and the uid a standby process drops
         to before it reads the version (made here, as the API's user)."""
@@ -417,12 +417,12 @@ class LocalProcessBackend(ReplicaBackend):
             query["uid"], query["gid"] = user
         return query
 
-    def _grant(self, spec: dict[str, Any], user: tuple[int, int] | None) -> None:
+    def _grant(self, spec: VersionSpec, user: tuple[int, int] | None) -> None:
         """A version in the local object store becomes its tenant's uid's to read: the
         files of its artifact's directory (the weights and their sidecars) are given to
         that uid. Artifacts elsewhere (``EMBER_FILE_ROOTS``) must be readable by others."""
         store = self.settings.store_url
-        uri = str(spec.get("artifact_uri", ""))
+        uri = spec.artifact_uri
         if user is None or not store.startswith("file://") or not uri.startswith("file://"):
             return
         root = Path(store.removeprefix("file://")).resolve()
@@ -435,19 +435,19 @@ class LocalProcessBackend(ReplicaBackend):
             if entry.is_file() and not entry.is_symlink():
                 os.chown(entry, *user)
 
-    def executable(self, spec: dict[str, Any] | None) -> Path:
+    def executable(self, spec: VersionSpec | None) -> Path:
         """The ``ember`` that runs ``spec``: vLLM versions run in vLLM's own environment
         (``EMBER_VLLM_EXECUTABLE``, else ``.venv-vllm/bin/ember`` beside this virtualenv
         when it exists), everything else — and standby processes — in this one."""
         own = Path(sys.executable).with_name("ember")
-        if spec is None or spec.get("engine") != "vllm":
+        if spec is None or spec.engine != "vllm":
             return own
         if self.settings.vllm_executable is not None:
             return self.settings.vllm_executable
         beside = Path(sys.prefix).parent / ".venv-vllm" / "bin" / "ember"
         return beside if beside.exists() else own
 
-    def standby_can_run(self, spec: dict[str, Any]) -> bool:
+    def standby_can_run(self, spec: VersionSpec) -> bool:
         return self.executable(spec) == self.executable(None)
 
     def exited(self, handle: ReplicaHandle) -> int | None:

@@ -45,7 +45,7 @@ RECENT = 50
 
 
 def _static_files() -> dict[str, tuple[bytes, str]]:
-    """Every file under ``ember/ui/static`` (read once): path -> (bytes, media type). Only
+    """Every file under ``ember/api/ui/static`` (read once): path -> (bytes, media type). Only
     these are served: no path from a request ever reaches the file system."""
     files: dict[str, tuple[bytes, str]] = {}
 
@@ -60,7 +60,7 @@ def _static_files() -> dict[str, tuple[bytes, str]]:
                     media += "; charset=utf-8"
                 files[name] = (child.read_bytes(), media)
 
-    walk(resources.files("ember.ui") / "static", "")
+    walk(resources.files("ember.api.ui") / "static", "")
     return files
 
 
@@ -106,8 +106,8 @@ DeploymentName = Annotated[str, Path(pattern=NAME_PATTERN, description="Deployme
 def history_of(request: Request) -> History:
     """The pools controller's history; on an API process that runs none, a reader of the
     one in Redis (the leader's samples)."""
-    gateway = getattr(request.app.state, "gateway", None)
-    history: History | None = gateway.controller.history if gateway is not None else None
+    pools = getattr(request.app.state, "pools", None)
+    history: History | None = pools.history if pools is not None else None
     if history is None:
         history = getattr(request.app.state, "history", None)
     if history is None:

@@ -1,0 +1,1 @@
+"""The web dashboard served by the API under ``/ui`` (``ember.api.ui.routes``)."""

@@ -1,1 +1,0 @@
-"""The web dashboard served by the API under ``/ui`` (``ember.ui.routes``)."""
