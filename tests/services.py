@@ -118,11 +118,16 @@ def serve_app(app: object) -> Iterator[str]:
 
     import uvicorn
 
-    port = free_port()
+    # The socket is bound here and handed to uvicorn: a port picked free and bound later
+    # can be taken in between by another worker's process (EADDRINUSE, seen in CI).
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None,  # type: ignore[arg-type]
                             access_log=False, lifespan="on")  # fmt: skip
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
         wait_until(lambda: server.started, 30, "uvicorn")
@@ -130,6 +135,7 @@ def serve_app(app: object) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(30)
+        sock.close()
 
 
 def fresh_postgres_database(server_url: str) -> str:

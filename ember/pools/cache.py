@@ -213,6 +213,14 @@ class ResponseCache:
                     return entry.content, True
                 if not await self._redis_call("exists", lock):
                     break
+        elif acquired:
+            # Looked up before a flight that has just ended wrote its answer: that answer
+            # is here now (the lock is taken after the writer's put), so use it.
+            entry = await self.get(key)
+            if entry is not None and entry.fresh(time.time()):
+                await self._redis_call("delete", lock)
+                self.stats.coalesced += 1
+                return entry.content, True
         self.stats.misses += 1
         try:
             body = await compute()

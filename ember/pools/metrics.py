@@ -252,7 +252,7 @@ class PoolMetrics:
     def of_replica(self, replica: ManagedReplica) -> tuple[str, str, str, str]:
         """The ``tenant``, ``deployment``, ``model`` and ``version`` labels of a replica
         (a standby process: ``-``, ``(standby)``, ``-``, ``-``)."""
-        name = replica.key[1] or STANDBY_DEPLOYMENT
+        name = STANDBY_DEPLOYMENT if replica.key.standby_pool else replica.key.name
         return self.tenant(replica.key[0]), name, replica.model or "-", replica.version or "-"
 
     def request(self, view: DeploymentView, version: str, outcome: str) -> None:
@@ -287,7 +287,9 @@ class PoolMetrics:
             key = (replica.key[0], replica.key[1], replica.model or "-", replica.version or "-")
             self.replica_seconds.labels(*labels, replica.tier).inc(seconds)
             self.costs.add_seconds((*key, replica.tier), seconds)
-            served = replica.source != "cold" and not replica.adopted and replica.key[1]
+            served = (
+                replica.source != "cold" and not replica.adopted and not replica.key.standby_pool
+            )
             if served and rid not in self._starts_counted:
                 self._starts_counted.add(rid)
                 self.costs.add_standby_start(key)

@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from ember.config import Settings
+from ember.domain.spec import VersionSpec
 from ember.pools.backends import k8s_manifests as m
 from ember.registry.schemas import Placement
 
@@ -345,8 +346,8 @@ def _replica_commands() -> dict[str, list[str]]:
     """What the Kubernetes replica backend runs in the image, for each kind of replica."""
     pod = m.PodSettings("ember", "ember:test", "ember-engine", "ember-engine-config", 9000,
                         "/mnt/nvme/ember-cache", 60)  # fmt: skip
-    spec = {"model": "minilm", "version": "2", "artifact_uri": "s3://b/minilm/2/model.safetensors",
-            "sha256": "0" * 64, "engine": "transformers"}  # fmt: skip
+    spec = VersionSpec(model="minilm", version="2", engine="transformers", sha256="0" * 64,
+                       artifact_uri="s3://b/minilm/2/model.safetensors")  # fmt: skip
     gpu = Placement(accelerator="nvidia-l40s", gpus=1, cpu_cores=3, memory_gib=24)
     kinds = {
         "version-gpu": m.ReplicaKind(1, "search", "minilm", "2", spec, gpu, (16, 2.5, 512)),
