@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -149,6 +150,23 @@ def fresh_postgres_database(server_url: str) -> str:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
     return server_url.rsplit("/", 1)[0] + f"/{name}"
+
+
+def migrated_registry(backend: str, tmp_path: Path, postgres_url: str, admin_key: str) -> Any:
+    """A migrated, bootstrapped registry engine on ``backend`` (``sqlite`` in ``tmp_path``,
+    or a fresh database on the session's PostgreSQL server at ``postgres_url``)."""
+    from ember.registry.db import make_engine, migrate, session_scope
+    from ember.registry.tenants import bootstrap
+
+    if backend == "sqlite":
+        url = f"sqlite:///{tmp_path / 'r.db'}"
+    else:
+        url = fresh_postgres_database(postgres_url)
+    engine = make_engine(url)
+    migrate(engine)
+    with session_scope(engine) as session:
+        bootstrap(session, admin_key)
+    return engine
 
 
 def background_job(name: str, timeout_s: float = 1800) -> tuple[int, str] | None:

@@ -10,9 +10,8 @@ from sqlalchemy import Engine
 from sqlmodel import Session, col, select
 
 from ember.jobs import records
-from ember.registry.db import make_engine, migrate, session_scope
+from ember.registry.db import session_scope
 from ember.registry.tables import Job, JobAttempt
-from ember.registry.tenants import bootstrap
 from ember.work import lease
 from tests import services
 
@@ -21,14 +20,10 @@ TTL = 3600.0
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Engine:
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'r.db'}"
-    else:
-        url = services.fresh_postgres_database(request.getfixturevalue("postgres_url"))
-    engine = make_engine(url)
-    migrate(engine)
-    with session_scope(engine) as session:
-        bootstrap(session, "ek_records-test-admin-key-000")
+    postgres = request.getfixturevalue("postgres_url") if request.param == "postgres" else ""
+    engine: Engine = services.migrated_registry(
+        request.param, tmp_path, postgres, "ek_records-test-admin-key-000"
+    )
     return engine
 
 

@@ -12,23 +12,18 @@ from sqlalchemy import Engine, update
 from sqlmodel import Session, col
 
 from ember.jobs import records
-from ember.registry.db import make_engine, migrate, session_scope
+from ember.registry.db import make_engine, session_scope
 from ember.registry.tables import Job
-from ember.registry.tenants import bootstrap
 from ember.work import lease
 from tests import services
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Engine:
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'r.db'}"
-    else:
-        url = services.fresh_postgres_database(request.getfixturevalue("postgres_url"))
-    engine = make_engine(url)
-    migrate(engine)
-    with session_scope(engine) as session:
-        bootstrap(session, "ek_lease-test-admin-key-0000")
+    postgres = request.getfixturevalue("postgres_url") if request.param == "postgres" else ""
+    engine: Engine = services.migrated_registry(
+        request.param, tmp_path, postgres, "ek_lease-test-admin-key-0000"
+    )
     return engine
 
 
