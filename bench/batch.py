@@ -126,7 +126,7 @@ def row_by_row(client: httpx.Client, model: str, calls: int) -> float:
 def tensor(batch: int) -> tuple[bytes, dict[str, str]]:
     """A full batch as a tensor body, and its headers (a tensor answer asked for: what
     the replica answers fastest, and what a batch worker asks for)."""
-    from ember.engine.tensorbody import MEDIA_TYPE, TensorBody
+    from ember.web.tensorbody import MEDIA_TYPE, TensorBody
 
     body = TensorBody.of(np.asarray([X] * batch, dtype=np.float32))
     headers = {"Content-Type": body.content_type, "X-Ember-Priority": "batch"}

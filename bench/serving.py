@@ -1433,7 +1433,7 @@ def _activity(names: list[str], owner: str) -> str:
     the functions on its stack."""
     leaf = next((f for f in reversed(names) if _owner(f) == owner), names[-1])
     func = leaf.partition(" (")[0]
-    if owner == "ember.pools.hop":  # Ember's own replica client
+    if owner == "ember.serving.hop":  # Ember's own replica client
         return "HTTP client (gateway -> replica)"
     if owner.startswith("ember."):
         return f"Ember {owner.removeprefix('ember.')}"

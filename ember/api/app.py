@@ -29,7 +29,7 @@ from ember.web.middleware import TENSOR_MEDIA, BodyLimit, JsonBodies, RequestCon
 
 if TYPE_CHECKING:
     from ember.pools.controller import PoolsController
-    from ember.pools.gateway import Gateway
+    from ember.serving.gateway import Gateway
 
 log = get_logger(__name__)
 
@@ -134,17 +134,17 @@ def start_pools(settings: Settings, engine: Engine) -> tuple[PoolsController, Ga
     the gateway in front — the serving side, which sees the controller only through the
     ``ControlPlane`` interface. Every collaborator of the controller is given at
     construction; nothing is attached to it afterwards."""
-    from ember.pools.admission import Admission
     from ember.pools.backends import create_backend, standby_pool
-    from ember.pools.cache import ResponseCache
     from ember.pools.controller import PoolsController, ProbeSettings, autoscale_knobs
     from ember.pools.costs import CostLedger
     from ember.pools.demand import ForecastStore, SharedDemand
-    from ember.pools.gateway import Gateway
     from ember.pools.history import History
     from ember.pools.leader import election_for
-    from ember.pools.predlog import PredictionLog
     from ember.pools.warmtier import SharedWarmTier
+    from ember.serving.admission import Admission
+    from ember.serving.cache import ResponseCache
+    from ember.serving.gateway import Gateway
+    from ember.serving.predlog import PredictionLog
 
     probe = ProbeSettings(settings.probe_idle_s, settings.probe_timeout_s, settings.probe_failures)
     backend = create_backend(settings)  # local processes, or Kubernetes with a Lease

@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 from ember.logs import get_logger
-from ember.pools.cache import fast_redis
+from ember.serving.cache import fast_redis
 
 log = get_logger(__name__)
 PREFIX = "ember:rate:"

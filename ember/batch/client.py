@@ -28,9 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ember.batch.datasets import Memo
+from ember.domain.spec import replica_auth
 from ember.loader.stores import ObjectInfo
 from ember.logs import get_logger
-from ember.pools.backends.base import replica_auth
 from ember.work.client import GatewayClient
 
 log = get_logger(__name__)

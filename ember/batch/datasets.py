@@ -261,7 +261,7 @@ class ShardRows:
 
 def tensor_schema(schema: dict[str, Any] | None) -> tuple[tuple[int, ...], str] | None:
     """(shape, dtype) when instances of ``schema`` are fixed-shape numeric arrays."""
-    from ember.engine.tensorbody import DTYPES as WIRE
+    from ember.web.tensorbody import DTYPES as WIRE
 
     if not schema or "shape" not in schema:
         return None

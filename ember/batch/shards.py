@@ -44,8 +44,6 @@ from ember.batch.client import InputCache, Lane, Target
 from ember.batch.plan import FINISHED, SHARD_TASK, publish, pump, utcnow
 from ember.batch.schemas import BatchSpec
 from ember.config import Settings
-from ember.engine.tensorbody import MEDIA_TYPE, TIMEOUT_HEADER, TensorBody, is_tensor
-from ember.engine.tensorbody import parse as parse_tensor
 from ember.errors import (
     EmberError,
     InvalidInput,
@@ -57,6 +55,8 @@ from ember.loader.stores import ObjectInfo, open_store
 from ember.logs import get_logger, model_context
 from ember.registry.schemas import PoolPolicy
 from ember.registry.tables import BatchRun, BatchShard, Deployment, Model, ModelVersion, Tenant
+from ember.web.tensorbody import MEDIA_TYPE, TIMEOUT_HEADER, TensorBody, is_tensor
+from ember.web.tensorbody import parse as parse_tensor
 from ember.work.client import GatewayClient, api_url, worker_id
 from ember.work.failures import PERMANENT_STATUS, Lost, Permanent, Transient
 from ember.work.lease import Heartbeat, Lease, fence, new_token, takeable

@@ -19,6 +19,11 @@ REPLICA_SECRET_HEADER = "X-Ember-Replica-Secret"  # noqa: S105
 """The header every call to a replica's API carries but liveness and readiness probes."""
 
 
+def replica_auth(secret: str) -> dict[str, str]:
+    """``{REPLICA_SECRET_HEADER: secret}``, or no header for a replica without a secret."""
+    return {REPLICA_SECRET_HEADER: secret} if secret else {}
+
+
 class Tier(enum.StrEnum):
     """What is alive in a replica (DESIGN.md, "Replica tiers")."""
 

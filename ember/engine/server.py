@@ -32,19 +32,19 @@ from ember import tracing
 from ember.domain.spec import REPLICA_SECRET_HEADER, Priority, Tier, VersionSpec
 from ember.engine.metrics import serve_replica_metrics
 from ember.engine.replica import Replica, Tenancy
-from ember.engine.tensorbody import (
+from ember.errors import InvalidInput, Unauthenticated
+from ember.logs import get_logger
+from ember.web import problems
+from ember.web.lane import Answer, LaneApp, header_values
+from ember.web.middleware import BodyLimit, RequestContext
+from ember.web.tensorbody import (
     TIMEOUT_HEADER,
     TensorBody,
     answer_body,
     is_tensor,
     timeout_header,
 )
-from ember.engine.tensorbody import parse as parse_tensor
-from ember.errors import InvalidInput, Unauthenticated
-from ember.logs import get_logger
-from ember.web import problems
-from ember.web.lane import Answer, LaneApp, header_values
-from ember.web.middleware import BodyLimit, RequestContext
+from ember.web.tensorbody import parse as parse_tensor
 
 log = get_logger(__name__)
 
@@ -274,7 +274,7 @@ class Inference:
     async def lean(self, scope: Scope, match: re.Match[str], raw: bytes) -> Answer | None:
         """``/infer`` without FastAPI's routing and validation (the gateway's every hop);
         a JSON body that does not validate is left to the route, which says why. A tensor
-        body (``ember.engine.tensorbody``) is only ever served here, errors included."""
+        body (``ember.web.tensorbody``) is only ever served here, errors included."""
         began = time.perf_counter()
         ctype, priority, timeout, accept = header_values(
             scope, b"content-type", b"x-ember-priority", TIMEOUT_HEADER.encode(), b"accept"

@@ -13,7 +13,7 @@ input_schema (optional, checked per instance)::
     {"shape": [16], "dtype": "float32"}
 
 Each instance is a nested list of numbers of that shape; the output is the module's
-output for it, as nested lists. A tensor body (``ember.engine.tensorbody``) is checked
+output for it, as nested lists. A tensor body (``ember.web.tensorbody``) is checked
 whole: one shape check, one cast if its dtype is not the schema's, a view per row.
 """
 

@@ -21,9 +21,9 @@ from ember.pools.costs import WINDOWS, CostLedger
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from ember.pools.cache import ResponseCache
     from ember.pools.controller import ManagedReplica, PoolsController
-    from ember.pools.predlog import PredictionLog
+    from ember.serving.cache import ResponseCache
+    from ember.serving.predlog import PredictionLog
     from ember.serving.routing import DeploymentView
 
 log = get_logger(__name__)
@@ -254,6 +254,26 @@ class PoolMetrics:
         (a standby process: ``-``, ``(standby)``, ``-``, ``-``)."""
         name = STANDBY_DEPLOYMENT if replica.key.standby_pool else replica.key.name
         return self.tenant(replica.key[0]), name, replica.model or "-", replica.version or "-"
+
+    def attach(self, predictions: PredictionLog, cache: ResponseCache | None) -> None:
+        """The gateway's prediction log and response cache, whose totals are scraped."""
+        self.prediction_log, self.response_cache = predictions, cache
+
+    def answered(
+        self, view: DeploymentView, version: str, latency_s: float, queue_s: float | None = None
+    ) -> None:
+        """One answer from a replica: an ``ok`` outcome, a success (cost per success), its
+        end-to-end latency and, where the replica reported it, its time in the queue."""
+        labels = self.of(view)
+        self.requests.labels(*labels, version, "ok").inc()
+        self.success(*labels, version)
+        self.latency.labels(*labels, version).observe(latency_s)
+        if queue_s is not None:
+            self.queue_time.labels(*labels, version).observe(queue_s)
+
+    def rung(self, view: DeploymentView, version: str, rung: str) -> None:
+        """One answer from a rung of the degradation ladder."""
+        self.rungs.labels(*self.of(view), version, rung).inc()
 
     def request(self, view: DeploymentView, version: str, outcome: str) -> None:
         """One gateway outcome (``ok``, ``retried``, ``shed``) of ``view``'s ``version``."""

@@ -4,7 +4,7 @@ Every HTTP call the control side makes to a replica goes through here, one metho
 route of ``ember.engine.server`` (``GET /info``, ``GET /healthz``, ``POST /tier``,
 ``POST /assign``), so the pairing is read in one place and the controller deals in
 answers, not in URLs and status codes. The serving side's hop to ``/infer`` is not here:
-that is data, not control (``ember.pools.hop``).
+that is data, not control (``ember.serving.hop``).
 """
 
 from __future__ import annotations

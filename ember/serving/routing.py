@@ -22,9 +22,8 @@ from ember.registry.schemas import PoolPolicy
 from ember.serving.router import Route
 
 if TYPE_CHECKING:
-    # The one reach left from serving into control: the gateway still writes the pools'
-    # metrics (pyproject's import-linter contract names it as the exception).
-    from ember.pools.metrics import PoolMetrics
+    from ember.serving.cache import ResponseCache
+    from ember.serving.predlog import PredictionLog
 
 
 @dataclass
@@ -140,9 +139,34 @@ class DemandSink(Protocol):
         on its way (a scale-to-zero deployment is woken: one starts at the next tick)."""
 
 
+class ServingMetrics(Protocol):
+    """The outcomes the serving side counts (the control side's metrics registry exposes
+    them: ``ember.pools.metrics.PoolMetrics``; every series docs/reference/metrics.md)."""
+
+    def attach(self, predictions: PredictionLog, cache: ResponseCache | None) -> None:
+        """The prediction log and response cache whose running totals are scraped."""
+
+    def answered(
+        self, view: DeploymentView, version: str, latency_s: float, queue_s: float | None = None
+    ) -> None:
+        """A replica answered: end-to-end latency, and its queue time where it said."""
+
+    def request(self, view: DeploymentView, version: str, outcome: str) -> None:
+        """Another outcome of a request (``retried``, ``shed``)."""
+
+    def rung(self, view: DeploymentView, version: str, rung: str) -> None:
+        """An answer from a rung of the degradation ladder."""
+
+    def cached(self, view: DeploymentView, outcome: str) -> None:
+        """A response-cache outcome (``hit``, ``coalesced``, ``miss``, ``stale``)."""
+
+    def hedged(self, view: DeploymentView, version: str, outcome: str) -> None:
+        """A hedge ``sent`` or ``won``."""
+
+
 class ControlPlane(DemandSink, Protocol):
     """Everything the serving side may see of the control side: the routing table, the
-    registry's deployments (read-only), the pools' metrics, and the demand sink."""
+    registry's deployments (read-only), where outcomes are counted, and the demand sink."""
 
     @property
     def table(self) -> RoutingTable: ...
@@ -151,7 +175,7 @@ class ControlPlane(DemandSink, Protocol):
     def deployments(self) -> Mapping[DeploymentKey, DeploymentView]: ...
 
     @property
-    def metrics(self) -> PoolMetrics: ...
+    def metrics(self) -> ServingMetrics: ...
 
     def routable_traffic(self, view: DeploymentView) -> dict[str, int]:
         """The deployment's weights over versions that have a routable replica."""

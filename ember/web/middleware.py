@@ -110,7 +110,7 @@ class BodyLimit:
 
 
 TENSOR_MEDIA = b"application/x-ember-tensor"
-"""``:predict`` also takes a tensor body (``ember.engine.tensorbody``, the batch lane)."""
+"""``:predict`` also takes a tensor body (``ember.web.tensorbody``, the batch lane)."""
 
 
 class JsonBodies:

@@ -22,10 +22,10 @@ from ember.batch.client import InputCache, Lane
 from ember.batch.schemas import BatchSpec
 from ember.batch.shards import ShardRunner, Window
 from ember.config import Settings
-from ember.engine.tensorbody import TensorBody
 from ember.errors import ObjectChanged
 from ember.loader.stores import ObjectInfo
 from ember.registry.tables import BatchRun
+from ember.web.tensorbody import TensorBody
 from ember.work.client import GatewayClient
 from ember.work.failures import Transient
 from ember.work.lease import Lease

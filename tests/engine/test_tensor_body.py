@@ -9,8 +9,8 @@ import httpx
 import numpy as np
 import pytest
 
-from ember.engine.tensorbody import MEDIA_TYPE, TensorBody, answer_body, parse
 from ember.errors import MalformedRequest, PayloadTooLarge
+from ember.web.tensorbody import MEDIA_TYPE, TensorBody, answer_body, parse
 from tests.engine.conftest import StartEngine
 
 PROBLEM = "application/problem+json"

@@ -116,7 +116,7 @@ def replica_auth(replica: dict[str, Any]) -> dict[str, str]:
     """The header that authenticates a call to a live replica's API (its secret, read from
     its environment)."""
     from ember.domain.spec import REPLICA_SECRET_ENV
-    from ember.pools.backends.base import replica_auth as auth
+    from ember.domain.spec import replica_auth as auth
 
     return auth(process_environ(replica["pid"]).get(REPLICA_SECRET_ENV, ""))
 

@@ -23,10 +23,10 @@ import redis
 from ember.api.app import create_app
 from ember.config import Settings
 from ember.domain.spec import VersionSpec
-from ember.pools.admission import Admission
 from ember.pools.controller import PoolsController
-from ember.pools.gateway import Gateway
 from ember.registry.schemas import PoolPolicy
+from ember.serving.admission import Admission
+from ember.serving.gateway import Gateway
 from ember.serving.router import RetryBudget, Route
 from ember.serving.routing import DeploymentView
 from tests import services

@@ -8,11 +8,11 @@ import asyncio
 import time
 
 from ember.domain.spec import Priority, ReplicaState, VersionSpec
-from ember.pools.admission import Admission
 from ember.pools.backends.base import ReplicaHandle
 from ember.pools.controller import ManagedReplica, PoolsController
-from ember.pools.gateway import Gateway
 from ember.registry.schemas import PoolPolicy
+from ember.serving.admission import Admission
+from ember.serving.gateway import Gateway
 from ember.serving.router import Route
 from ember.serving.routing import DeploymentView
 from tests.pools.test_controller_autoscale import FakeBackend

@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from ember.pools.hop import ReplicaClient, ReplicaUnreachable
+from ember.serving.hop import ReplicaClient, ReplicaUnreachable
 from tests.services import free_port
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 
 from ember.domain.spec import Priority, VersionSpec
-from ember.pools.admission import Admission
 from ember.pools.backends.base import ReplicaHandle
 from ember.pools.controller import ManagedReplica, PoolsController
-from ember.pools.gateway import Gateway
-from ember.pools.passthrough import Passthrough
-from ember.pools.predlog import PredictionLog
 from ember.registry.schemas import PoolPolicy
+from ember.serving.admission import Admission
+from ember.serving.gateway import Gateway
+from ember.serving.passthrough import Passthrough
+from ember.serving.predlog import PredictionLog
 from ember.serving.router import Route
 from ember.serving.routing import DeploymentView
 from tests.gateway.test_hop import read_request, serve

@@ -15,14 +15,14 @@ import httpx
 import numpy as np
 
 from ember.domain.spec import REPLICA_SECRET_HEADER, VersionSpec
-from ember.engine.tensorbody import MEDIA_TYPE, TensorBody
-from ember.pools.admission import Admission
 from ember.pools.backends.base import ReplicaHandle
 from ember.pools.controller import ManagedReplica, PoolsController
-from ember.pools.gateway import Gateway
 from ember.registry.schemas import PoolPolicy
+from ember.serving.admission import Admission
+from ember.serving.gateway import Gateway
 from ember.serving.router import Route
 from ember.serving.routing import DeploymentView
+from ember.web.tensorbody import MEDIA_TYPE, TensorBody
 from tests.gateway.conftest import Live, X, deploy
 from tests.pools.test_controller_autoscale import FakeBackend
 

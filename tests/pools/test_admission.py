@@ -6,7 +6,7 @@ import pytest
 
 from ember.domain.spec import Priority
 from ember.errors import BackPressure
-from ember.pools.admission import Admission
+from ember.serving.admission import Admission
 
 
 def test_background_classes_fill_their_share_of_the_queue() -> None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ember.pools.history import History, RequestStats, redis_key
+from ember.pools.history import History, redis_key
+from ember.serving.stats import RequestStats
 
 
 def sample(t: float, hot: int = 1, arrived: float | None = 0.0) -> dict[str, Any]:

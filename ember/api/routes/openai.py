@@ -8,7 +8,7 @@
 ``model`` names a deployment (or a model a deployment serves) or ``name:version``; the
 API key is the bearer token. Embeddings go through ``Gateway.predict`` like ``:predict``.
 Completions are passed through to a replica's own OpenAI routes (vLLM's serving layer)
-chosen by the gateway's admission and router (``ember.pools.passthrough``); their bodies,
+chosen by the gateway's admission and router (``ember.serving.passthrough``); their bodies,
 streamed server-sent events and ``usage`` are vLLM's, passed through untouched. Every answer
 names the version that served it in ``X-Ember-Version`` (and embeddings in ``model``, as
 ``name:version``). Errors are RFC 9457 problems carrying OpenAI's
@@ -42,9 +42,9 @@ from ember.api.protocols.openai import (
 from ember.api.routes.predict import gateway_of, set_prediction_headers
 from ember.domain.spec import VersionSpec
 from ember.errors import MalformedRequest, NotFound, NotReady
-from ember.pools.gateway import Gateway, Prediction
-from ember.pools.passthrough import Opened, Passthrough
 from ember.registry.tenants import Principal
+from ember.serving.gateway import Gateway, Prediction
+from ember.serving.passthrough import Opened, Passthrough
 from ember.serving.routing import DeploymentView
 from ember.web.bodies import M, parse_object
 from ember.web.problems import DATA_PLANE_RESPONSES, problem_responses

@@ -18,15 +18,15 @@ from ember.api.deps import (
     cached_principal,
 )
 from ember.domain.spec import Priority
-from ember.engine.tensorbody import TIMEOUT_HEADER, is_tensor, timeout_header
-from ember.engine.tensorbody import parse as parse_tensor
 from ember.errors import InvalidInput, NotReady
-from ember.pools.gateway import Gateway, Instances, Prediction
 from ember.registry import deployments
 from ember.registry.schemas import NAME_PATTERN, VERSION_PATTERN
 from ember.registry.tenants import Principal
+from ember.serving.gateway import Gateway, Instances, Prediction
 from ember.web.lane import Answer, header_values
 from ember.web.problems import DATA_PLANE_RESPONSES
+from ember.web.tensorbody import TIMEOUT_HEADER, is_tensor, timeout_header
+from ember.web.tensorbody import parse as parse_tensor
 
 if TYPE_CHECKING:
     from ember.pools.controller import PoolsController
@@ -45,7 +45,7 @@ class PredictRequest(BaseModel):
 
     The lean lane also takes the same instances as a tensor body
     (``Content-Type: application/x-ember-tensor; dtype=float32; shape=N,...``, see
-    ``ember.engine.tensorbody``), as the batch lane's workers send them."""
+    ``ember.web.tensorbody``), as the batch lane's workers send them."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -204,7 +204,7 @@ async def tensor_predict(
     tenant: str | None,
     session_key: str | None,
 ) -> Answer:
-    """``:predict`` with a tensor body (``ember.engine.tensorbody``: the batch lane's
+    """``:predict`` with a tensor body (``ember.web.tensorbody``: the batch lane's
     form; priority and deadline in ``X-Ember-Priority`` / ``X-Ember-Timeout-Ms``). Served
     here whole, errors included (the JSON route cannot read it); the bytes go on to the
     replica as they came. A batch-class answer says in ``X-Ember-Batch-Window`` how many

@@ -32,9 +32,9 @@ from ember.api.protocols.oip import InferRequest, ModelMetadata, ServerMetadata,
 from ember.api.routes.predict import gateway_of, set_prediction_headers
 from ember.domain.spec import VersionSpec
 from ember.errors import NotFound, NotReady
-from ember.pools.gateway import Gateway
 from ember.registry.schemas import NAME_PATTERN, VERSION_PATTERN
 from ember.registry.tenants import Principal
+from ember.serving.gateway import Gateway
 from ember.serving.routing import DeploymentView
 from ember.web.problems import DATA_PLANE_RESPONSES, problem_responses
 

@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ember.domain.spec import REPLICA_SECRET_HEADER, VersionSpec
+from ember.domain.spec import VersionSpec, replica_auth
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -33,11 +33,6 @@ class ReplicaHandle:
     def auth(self) -> dict[str, str]:
         """The headers that authenticate a call to this replica's API."""
         return replica_auth(self.secret)
-
-
-def replica_auth(secret: str) -> dict[str, str]:
-    """``{REPLICA_SECRET_HEADER: secret}``, or no header for a replica without a secret."""
-    return {REPLICA_SECRET_HEADER: secret} if secret else {}
 
 
 @dataclass(frozen=True)

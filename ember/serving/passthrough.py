@@ -26,11 +26,10 @@ import anyio
 import httpx
 
 from ember import tracing
-from ember.domain.spec import Priority
+from ember.domain.spec import Priority, replica_auth
 from ember.errors import DeadlineExceeded, EngineError, NotFound, NotReady
 from ember.logs import get_logger, model_context
-from ember.pools.backends.base import replica_auth
-from ember.pools.gateway import RETRYABLE_STATUS, Gateway
+from ember.serving.gateway import RETRYABLE_STATUS, Gateway
 from ember.serving.router import Route, pick_replica, pick_version, record_failure, record_success
 from ember.serving.routing import DeploymentView
 
@@ -150,12 +149,7 @@ class Opened:
         if ok:
             record_success(self.route)
             control.mark_ok(self.route.replica_id)
-            labels = control.metrics.of(self.view)
-            control.metrics.requests.labels(*labels, self.version, "ok").inc()
-            control.metrics.success(*labels, self.version)
-            control.metrics.latency.labels(*labels, self.version).observe(
-                time.monotonic() - self.started
-            )
+            control.metrics.answered(self.view, self.version, time.monotonic() - self.started)
         elif self.status >= 500:
             record_failure(self.route)
         with model_context(self.model, self.version, deployment=self.deployment):

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlparse
 
 from ember.logs import get_logger
-from ember.pools.cache import digest
+from ember.serving.cache import digest
 
 if TYPE_CHECKING:
     from ember.config import Settings

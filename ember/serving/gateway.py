@@ -36,7 +36,6 @@ import structlog
 
 from ember import tracing
 from ember.domain.spec import DeploymentKey, Priority
-from ember.engine.tensorbody import TIMEOUT_HEADER, TensorBody
 from ember.errors import (
     BackPressure,
     CapacityError,
@@ -48,11 +47,10 @@ from ember.errors import (
     Upstream,
 )
 from ember.logs import get_logger, model_context
-from ember.pools.admission import Admission, class_share
-from ember.pools.cache import ResponseCache, cache_key, digest
-from ember.pools.history import RequestStats
-from ember.pools.hop import HopAnswer, ReplicaClient, ReplicaUnreachable
-from ember.pools.predlog import DEFERRED_DIGESTS, PredictionLog
+from ember.serving.admission import Admission, class_share
+from ember.serving.cache import ResponseCache, cache_key, digest
+from ember.serving.hop import HopAnswer, ReplicaClient, ReplicaUnreachable
+from ember.serving.predlog import DEFERRED_DIGESTS, PredictionLog
 from ember.serving.router import (
     RetryBudget,
     Route,
@@ -62,6 +60,8 @@ from ember.serving.router import (
     record_success,
 )
 from ember.serving.routing import ControlPlane, DeploymentView
+from ember.serving.stats import RequestStats
+from ember.web.tensorbody import TIMEOUT_HEADER, TensorBody
 
 log = get_logger(__name__)
 Instances = list[Any] | TensorBody
@@ -154,7 +154,7 @@ class Gateway:
         self.admission = admission
         self.budget = RetryBudget(ratio=retry_ratio)
         # Streaming passthrough (OpenAI routes) uses httpx; the predict hop a lean keep-alive
-        # client (ember.pools.hop: ~0.1 ms of CPU per request, aiohttp ~0.3-0.5, httpx ~2.9).
+        # client (ember.serving.hop: ~0.1 ms of CPU per request, aiohttp ~0.3-0.5, httpx ~2.9).
         self.http = httpx.AsyncClient(
             limits=httpx.Limits(
                 max_connections=1000, max_keepalive_connections=200, keepalive_expiry=3.0
@@ -167,9 +167,7 @@ class Gateway:
         self.ladder_reserve = ladder_reserve
         self.latency: dict[tuple[int, str, str], LatencyWindow] = {}
         self.answers = RequestStats()  # the dashboard's latency / errors / rungs per version
-        metrics = control.metrics
-        metrics.prediction_log = self.predictions
-        metrics.response_cache = cache
+        control.metrics.attach(self.predictions, cache)
 
     def deployment_named(self, tenant_id: int, name: str) -> DeploymentView:
         """The deployment called ``name`` (whatever model it serves), else the one serving
@@ -275,8 +273,7 @@ class Gateway:
         input_digest: str | None,
         params: dict[str, Any] | None,
     ) -> None:
-        metrics = self.control.metrics
-        metrics.rungs.labels(*metrics.of(view), result.version, result.rung).inc()
+        self.control.metrics.rung(view, result.version, result.rung)
         self._log(
             view, tenant, chosen, instances, result, started, input_digest, None, params, ended
         )
@@ -641,14 +638,11 @@ class Gateway:
         record_success(route)
         self.control.mark_ok(route.replica_id)
         window.add(elapsed)
-        metrics = self.control.metrics
-        labels = metrics.of(view)
-        metrics.requests.labels(*labels, version, "ok").inc()
-        metrics.success(*labels, version)
-        metrics.latency.labels(*labels, version).observe(elapsed)
+        queue_s = None
         if queue_ms is not None:
             with contextlib.suppress(ValueError):
-                metrics.queue_time.labels(*labels, version).observe(float(queue_ms) / 1000)
+                queue_s = float(queue_ms) / 1000
+        self.control.metrics.answered(view, version, elapsed, queue_s)
 
     async def _await_replica(
         self, key: tuple[int, str], version: str, units: float, deadline: float
