@@ -38,12 +38,13 @@ path adds around the replica's own time for the request (``X-Ember-Replica-Ms``,
 gateway passes on), since the difference of two ~35 ms end-to-end medians swings by a
 millisecond between runs; the raw difference is printed too. And where its time goes: every
 answer's ``Server-Timing`` (the gateway's ``gateway`` / ``admit`` / ``hop``, the replica's
-``queue`` / ``batch`` / ``handoff`` / ``forward`` / ``replica``) splits its latency into
-segments — client ↔ API, admission, the rest of the gateway, the hop, the replica queue,
-the batch wait, the hand-offs to the compute thread, the forward pass, the replica's answer
-— printed as the mean per segment of the requests at the median and of those above the
-p99, over all repeats (``ember_tail_breakdown_ms``). A server that fails to install or
-start is reported with the reason. Last line: one JSON object
+``queue`` / ``batch`` / ``handoff`` / ``forward`` / ``replica``, and the API lane's ``api``)
+splits its latency into segments — client ↔ API, the API process around the gateway,
+admission, the rest of the gateway, the hop, the replica queue, the batch wait, the
+hand-offs to the compute thread, the forward pass, the replica's answer — printed as the
+mean per segment of the requests at the median and of those above the p99, over all
+repeats (``ember_tail_breakdown_ms``). A server that fails to install or start is reported
+with the reason. Last line: one JSON object
 (``ember_max_rps_vs_best_peer``, ``ember_p99_at_10_vs_best_peer``,
 ``ember_p99_at_30_vs_best_peer``, ``ember_p999_at_10_vs_best_peer``, each with ``_min`` /
 ``_max``; ``gateway_overhead_p50_ms``, ``ember_tail_breakdown_ms``, ...).
@@ -1080,8 +1081,10 @@ def aggregate(up: Up, rates: list[float]) -> None:
 # The segments of one of Ember's answers, from its Server-Timing (ms): each a function of
 # the end-to-end latency and the parts; they add up to the latency.
 SEGMENTS: list[tuple[str, str, Callable[[float, dict[str, float]], float]]] = [
-    ("client_api", "client <-> API (loopback both ways, HTTP, key lookup, body parse)",
-     lambda t, p: t - p["gateway"]),
+    ("client_api", "client <-> API (loopback both ways, the HTTP server's parsing)",
+     lambda t, p: t - p.get("api", p["gateway"])),
+    ("api", "API around the gateway (body read, key lookup, parse, JSON out)",
+     lambda t, p: p["api"] - p["gateway"] if "api" in p else 0.0),
     ("admission", "admission (routes, admission, replica pick)", lambda t, p: p["admit"]),
     ("gateway", "gateway otherwise (version pick, answer bookkeeping)",
      lambda t, p: p["gateway"] - p["admit"] - p["hop"]),

@@ -122,6 +122,7 @@ def create_app(
         predict.lean_predict,
         max_bytes=settings.max_request_bytes,
         media=(*JSON_MEDIA, TENSOR_MEDIA),
+        timing=b"api",  # Server-Timing's first part: the API process's whole time
     )
     app.add_middleware(JsonBodies)
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
@@ -135,11 +136,12 @@ def start_pools(settings: Settings, engine: Engine) -> tuple[PoolsController, Ga
     ``ControlPlane`` interface. Every collaborator of the controller is given at
     construction; nothing is attached to it afterwards."""
     from ember.pools.backends import create_backend, standby_pool
-    from ember.pools.controller import PoolsController, ProbeSettings, autoscale_knobs
+    from ember.pools.controller import PoolsController, ProbeSettings
     from ember.pools.costs import CostLedger
     from ember.pools.demand import ForecastStore, SharedDemand
     from ember.pools.history import History
     from ember.pools.leader import election_for
+    from ember.pools.scaling import autoscale_knobs
     from ember.pools.warmtier import SharedWarmTier
     from ember.serving.admission import Admission
     from ember.serving.cache import ResponseCache

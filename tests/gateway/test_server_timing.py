@@ -1,5 +1,6 @@
-"""Every answer breaks its time down (``Server-Timing``): the gateway's parts, then the
-replica's, consistent with each other and with ``X-Ember-Replica-Ms``."""
+"""Every answer breaks its time down (``Server-Timing``): the API process's whole time, the
+gateway's parts, then the replica's, consistent with each other and with
+``X-Ember-Replica-Ms``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import httpx
 
 from tests.gateway.conftest import Live, deploy
 
-GATEWAY_PARTS = ("gateway", "admit", "hop")
+API_PARTS = ("api", "gateway", "admit", "hop")
 REPLICA_PARTS = ("queue", "batch", "handoff", "forward", "replica")
 ROUNDING_MS = 0.01  # each part is written with 3 decimals
 
@@ -28,16 +29,17 @@ def test_answers_carry_their_time_by_segment(live: Live) -> None:
     ok = live.predict("mlp", 2)
     assert ok.status_code == 200, ok.text
     got = parts(ok)
-    assert list(got) == [*GATEWAY_PARTS, *REPLICA_PARTS]
+    assert list(got) == [*API_PARTS, *REPLICA_PARTS]
     assert all(v >= 0 for v in got.values()), got
     assert got["replica"] == float(ok.headers["x-ember-replica-ms"])
     assert got["forward"] > 0
     # nested: the replica's parts within its time, its time within the hop, the hop and
-    # what came before it within the gateway's
+    # what came before it within the gateway's, the gateway within the API process's
     inside = sum(got[k] for k in ("queue", "batch", "handoff", "forward"))
     assert inside <= got["replica"] + ROUNDING_MS
     assert got["replica"] <= got["hop"] + ROUNDING_MS
     assert got["admit"] + got["hop"] <= got["gateway"] + ROUNDING_MS
+    assert got["gateway"] <= got["api"] + ROUNDING_MS
 
 
 def test_a_request_behind_a_running_forward_pass_shows_it_as_queue(live: Live) -> None:
