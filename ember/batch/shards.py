@@ -53,8 +53,9 @@ from ember.errors import (
 )
 from ember.loader.stores import ObjectInfo, open_store
 from ember.logs import get_logger, model_context
+from ember.registry import catalog
 from ember.registry.schemas import PoolPolicy
-from ember.registry.tables import BatchRun, BatchShard, Deployment, Model, ModelVersion, Tenant
+from ember.registry.tables import BatchRun, BatchShard, Deployment, Model, Tenant
 from ember.web.tensorbody import MEDIA_TYPE, TIMEOUT_HEADER, TensorBody, is_tensor
 from ember.web.tensorbody import parse as parse_tensor
 from ember.work.client import GatewayClient, api_url, worker_id
@@ -182,15 +183,7 @@ class ShardRunner:
             model = session.exec(
                 select(Model).where(Model.tenant_id == run.tenant_id, Model.name == run.model)
             ).first()
-            version = (
-                session.exec(
-                    select(ModelVersion).where(
-                        ModelVersion.model_id == model.id, ModelVersion.version == run.version
-                    )
-                ).first()
-                if model
-                else None
-            )
+            version = catalog.find_version(session, model, run.version) if model else None
         if tenant is None or version is None:
             raise Permanent(f"model {run.model!r} version {run.version!r} no longer exists")
         batch = PoolPolicy.model_validate(deployment.policy).max_batch_size if deployment else 32

@@ -45,6 +45,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ember.costmodel import CostModel
+from ember.domain.spec import Source, Tier
 from ember.pools.autoscaler import (
     Autoscaler,
     Observation,
@@ -256,12 +257,12 @@ class _Pool:
         self.warm = 0
         self.standby = 0
         self.shared: SharedStandby | None = None
-        self.promoting: list[tuple[float, str]] = []  # heap of (ready time, from tier)
+        self.promoting: list[tuple[float, Source]] = []  # heap of (ready time, from)
         self.standby_takes: list[float] = []  # when a standby process was put to use
-        self.creating: list[tuple[float, str, str]] = []  # heap of (ready time, tier, from)
+        self.creating: list[tuple[float, Tier, Source]] = []  # (ready time, tier, from)
 
     def counts_for_cost(self) -> tuple[int, int, int]:
-        cw = sum(1 for e in self.creating if e[1] == "warm")
+        cw = sum(1 for e in self.creating if e[1] is Tier.warm)
         cs = len(self.creating) - cw
         own = self.standby if self.shared is None else 0  # claims are the pool's to charge
         return self.hot + len(self.promoting), self.warm + cw, own + cs
@@ -282,7 +283,7 @@ class _Pool:
             self.hot += 1
         while self.creating and self.creating[0][0] <= now + _EPS:
             _, tier, _src = heapq.heappop(self.creating)
-            if tier == "warm":
+            if tier is Tier.warm:
                 self.warm += 1
             else:
                 self.standby += 1
@@ -301,8 +302,8 @@ class _Pool:
             hot=self.hot,
             warm=self.warm,
             starting_hot=len(self.promoting),
-            promoting=sum(1 for e in self.promoting if e[1] == "warm"),
-            starting_warm=sum(1 for e in self.creating if e[1] == "warm"),
+            promoting=sum(1 for e in self.promoting if e[1] is Source.warm),
+            starting_warm=sum(1 for e in self.creating if e[1] is Tier.warm),
         )
 
     def apply(self, want: TierCounts, now: float, cfg: SimConfig) -> tuple[Target, Actions]:
@@ -319,34 +320,34 @@ class _Pool:
         acts = plan(self.inventory(), target, fill_warm=cfg.fill_warm, may_retire=ready)
         for _ in range(acts.promote):
             self.warm -= 1
-            heapq.heappush(self.promoting, (now + p.warm_s, "warm"))
+            heapq.heappush(self.promoting, (now + p.warm_s, Source.warm))
         for _ in range(acts.keep_hot):  # the warm spare loading soonest stays hot
-            first = min(e for e in self.creating if e[1] == "warm")
+            first = min(e for e in self.creating if e[1] is Tier.warm)
             self.creating.remove(first)
             heapq.heapify(self.creating)
             heapq.heappush(self.promoting, (first[0], first[2]))
         for _ in range(acts.start_hot):
             if self._take_standby(now):
-                heapq.heappush(self.promoting, (now + p.standby_s, "standby"))
+                heapq.heappush(self.promoting, (now + p.standby_s, Source.standby))
             else:
-                heapq.heappush(self.promoting, (now + p.cold_s, "cold"))
+                heapq.heappush(self.promoting, (now + p.cold_s, Source.cold))
         for _ in range(acts.start_warm):
             if self._take_standby(now):
                 ready_at = now + max(p.standby_s - p.warm_s, 0.0)
-                heapq.heappush(self.creating, (ready_at, "warm", "standby"))
+                heapq.heappush(self.creating, (ready_at, Tier.warm, Source.standby))
             else:
-                heapq.heappush(self.creating, (now + p.cold_s, "warm", "cold"))
+                heapq.heappush(self.creating, (now + p.cold_s, Tier.warm, Source.cold))
         for _ in range(acts.cancel_hot):  # the start that would be ready last
-            start = max(e for e in self.promoting if e[1] != "warm")
+            start = max(e for e in self.promoting if e[1] is not Source.warm)
             self.promoting.remove(start)
             heapq.heapify(self.promoting)
-            if start[1] == "standby" and self.shared is None:
+            if start[1] is Source.standby and self.shared is None:
                 self.standby += 1
         for _ in range(acts.stop_starting):  # the warm spare that would be ready last
-            last = max(e for e in self.creating if e[1] == "warm")
+            last = max(e for e in self.creating if e[1] is Tier.warm)
             self.creating.remove(last)
             heapq.heapify(self.creating)
-            if last[2] == "standby" and self.shared is None:
+            if last[2] is Source.standby and self.shared is None:
                 self.standby += 1
         self.hot -= acts.demote + acts.stop_hot
         self.warm += acts.demote - acts.stop_warm
@@ -360,14 +361,14 @@ class _Pool:
         """The model's own standby processes (no catalogue): started or stopped to
         ``want`` (a standby start is a cold start less the weights' load)."""
         p = self.promo
-        pending = sum(1 for e in self.creating if e[1] == "standby")
+        pending = sum(1 for e in self.creating if e[1] is Tier.standby)
         have = self.standby + pending
         for _ in range(want - have):
             ready = now + max(p.cold_s - p.standby_s, 0.0)
-            heapq.heappush(self.creating, (ready, "standby", "cold"))
+            heapq.heappush(self.creating, (ready, Tier.standby, Source.cold))
         for _ in range(have - want):
             if pending:
-                last = max(e for e in self.creating if e[1] == "standby")
+                last = max(e for e in self.creating if e[1] is Tier.standby)
                 self.creating.remove(last)
                 heapq.heapify(self.creating)
                 pending -= 1

@@ -108,7 +108,7 @@ def register_version(
     corrected registration can reuse the name.
     """
     confine = None if principal is None or principal.is_admin else principal.tenant
-    if _find_version(session, model, body.version) is not None:
+    if find_version(session, model, body.version) is not None:
         raise Conflict(f"version {body.version!r} of model {model.name!r} already exists")
     with model_context(model.name, body.version):
         info = validation.locate(body.artifact_uri, settings, confine)
@@ -138,7 +138,8 @@ def register_version(
     return version
 
 
-def _find_version(session: Session, model: Model, version: str) -> ModelVersion | None:
+def find_version(session: Session, model: Model, version: str) -> ModelVersion | None:
+    """The model's version called ``version``, or None."""
     query = select(ModelVersion).where(
         ModelVersion.model_id == model.id, ModelVersion.version == version
     )
@@ -146,7 +147,7 @@ def _find_version(session: Session, model: Model, version: str) -> ModelVersion 
 
 
 def get_version(session: Session, model: Model, version: str) -> ModelVersion:
-    row = _find_version(session, model, version)
+    row = find_version(session, model, version)
     if row is None:
         raise NotFound(f"version {version!r} of model {model.name!r} does not exist")
     return row

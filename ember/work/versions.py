@@ -36,11 +36,7 @@ def resolve(
     pinned: str | None = None
     if wanted:
         pinned = deployment.aliases.get(wanted, wanted)
-        row = session.exec(
-            select(ModelVersion).where(
-                ModelVersion.model_id == model.id, ModelVersion.version == pinned
-            )
-        ).first()
+        row = catalog.find_version(session, model, pinned)
         if row is None:
             raise NotFound(f"model {name!r} has no version or alias {wanted!r}")
         if pinned not in served:
@@ -51,11 +47,7 @@ def resolve(
     else:
         live = sorted((w, v) for v, w in deployment.traffic.items() if w > 0)
         production = deployment.aliases.get("production") or (live[-1][1] if live else None)
-        row = session.exec(
-            select(ModelVersion).where(
-                ModelVersion.model_id == model.id, ModelVersion.version == production
-            )
-        ).first()
+        row = catalog.find_version(session, model, production) if production else None
         if row is None:
             raise NotFound(f"deployment {deployment.name!r} serves no version")
     if row.status is not VersionStatus.ready:
