@@ -12,6 +12,11 @@ With a leader election (several API replicas on a cluster), only the elected con
 acts; the others follow — they keep the routing table from the replicas the backend
 observes and change nothing. A newly elected controller adopts the replicas that exist
 instead of starting its own.
+
+This module is the loop that decides and acts; what it reads and asks is each its own
+piece: the replicas and their typed state (``inventory``), the deployments read from the
+registry (``registry_view``), the replicas' control endpoints (``replica_control``), the
+autoscalers and their saved state (``scaling``) and what it learns (``learners``).
 """
 
 from __future__ import annotations
@@ -21,14 +26,9 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Engine, func
-from sqlalchemy import select as sa_select
-from sqlmodel import col, select
-
-from ember.costmodel import hardware_key
 from ember.domain.spec import (
     STANDBY_POOL,
     DeploymentKey,
@@ -40,23 +40,14 @@ from ember.domain.spec import (
 from ember.errors import NotReady
 from ember.loader.pagecache import whole_huge_pages
 from ember.logs import get_logger, model_context
-from ember.pools.autoscaler import (
-    Autoscaler,
-    EmberConfig,
-    EmberState,
-    Observation,
-    TierCounts,
-    ember_autoscaler,
-    state_from_dict,
-    state_to_dict,
-)
+from ember.pools.autoscaler import Autoscaler, EmberConfig, EmberState, Observation, TierCounts
 from ember.pools.backends.base import (
     LaunchOptions,
     ObservedReplica,
     ReplicaBackend,
-    ReplicaHandle,
 )
-from ember.pools.demand import ForecastStore, SharedDemand
+from ember.pools.demand import DemandKey, ForecastStore, SharedDemand
+from ember.pools.inventory import ManagedReplica, ReplicaInventory
 from ember.pools.learners import PromotionLearner, StandbySizer
 from ember.pools.metrics import PoolMetrics
 from ember.pools.plan import (
@@ -67,31 +58,20 @@ from ember.pools.plan import (
     hot_target,
     plan,
 )
+from ember.pools.registry_view import RegistryView
 from ember.pools.replica_control import ReplicaControl
+from ember.pools.scaling import Autoscalers
 from ember.pools.warmtier import SharedWarmTier
-from ember.registry import catalog
-from ember.registry.db import session_scope
-from ember.registry.schemas import PoolPolicy
-from ember.registry.tables import (
-    BatchRun,
-    Deployment,
-    Model,
-    ModelVersion,
-    Tenant,
-    VersionStatus,
-)
 from ember.serving.router import Route
-from ember.serving.routing import DeploymentView, Lane, RoutingTable
+from ember.serving.routing import DeploymentView, RoutingTable
 
 if TYPE_CHECKING:
-    from ember.config import Settings
+    from sqlalchemy import Engine
+
     from ember.pools.history import History
     from ember.pools.leader import LeaseElection
 
 log = get_logger(__name__)
-
-REGISTRY_FULL_S = 10.0
-"""The registry view is re-read whole at least this often, changed or not."""
 
 WAKE_HOLD_S = 60.0
 """A woken scale-to-zero version is wanted hot this long while its replica starts."""
@@ -104,56 +84,6 @@ class ProbeSettings:
     timeout_s: float = 2.0
     failures: int = 2
     """Consecutive failed probes before the replica is killed and replaced."""
-
-
-@dataclass
-class ManagedReplica:
-    handle: ReplicaHandle
-    key: DeploymentKey
-    """Its deployment; :data:`~ember.domain.spec.STANDBY_POOL` for a standby process."""
-    model: str
-    version: str
-    state: ReplicaState = ReplicaState.starting
-    tier: Tier = Tier.hot
-    reason: str | None = None
-    started_at: float = field(default_factory=time.monotonic)
-    ready_at: float | None = None
-    last_ok: float = field(default_factory=time.monotonic)
-    probe_failures: int = 0
-    route: Route | None = None
-    replaces: str | None = None
-    detected_after_s: float | None = None
-    adopted: bool = False
-    """Found running (a follower's view, or taken over on election), not launched here."""
-    source: Source = Source.cold
-    """How it was started: ``cold`` (a new process), ``standby`` (a standby one assigned) or
-    ``warm`` (a standby one assigned a version the shared warm tier holds)."""
-    then_tier: Tier | None = None
-    """``warm``: a warm spare started from nothing, demoted to warm once loaded."""
-    queued: str | None = None
-    """Why the backend has not started it yet (waiting for GPUs): ``starting`` to the
-    controller (counted as on its way), ``queued`` with this reason in its listing."""
-
-    def __post_init__(self) -> None:  # plain values (tests, the backend's records): typed
-        self.key = DeploymentKey(*self.key)
-        self.state, self.tier = ReplicaState(self.state), Tier(self.tier)
-        self.source = Source(self.source)
-        self.then_tier = None if self.then_tier is None else Tier(self.then_tier)
-
-    def public(self, inflight_units: float = 0.0) -> dict[str, Any]:
-        return {
-            "replica_id": self.handle.replica_id,
-            "model": self.model,
-            "version": self.version,
-            "state": ReplicaState.queued if self.queued else self.state,
-            "tier": self.tier,
-            "reason": self.queued or self.reason,
-            "pid": self.handle.pid,
-            "port": self.handle.port,
-            "url": self.handle.url,
-            "inflight_units": inflight_units,
-            "uptime_s": round(time.monotonic() - self.started_at, 3),
-        }
 
 
 class PoolsController:
@@ -177,7 +107,6 @@ class PoolsController:
         warm_tier: SharedWarmTier | None = None,
         history: History | None = None,
     ) -> None:
-        self.db = db
         self.standby_reserve_max = standby_reserve_max
         """Host memory a standby process faults in ahead, at most (``_standby_reserve``)."""
         self.backend = backend
@@ -189,7 +118,7 @@ class PoolsController:
         self.probe_settings = probe or ProbeSettings()
         self.tick_s = tick_s
         self.max_restarts = max_restarts
-        self.replicas: dict[str, ManagedReplica] = {}
+        self.replicas = ReplicaInventory()
         self.deployments: dict[DeploymentKey, DeploymentView] = {}
         self.failures: dict[tuple[DeploymentKey, str], int] = {}
         self.events: list[dict[str, Any]] = []
@@ -197,36 +126,26 @@ class PoolsController:
         """What the serving side routes by (``publish``); it counts in-flight units there."""
         self.metrics = PoolMetrics()
         backend.register_metrics(self.metrics.registry)
-        self.hardware = hardware_key("cpu")
         self.replica_api = ReplicaControl.with_timeout(self.probe_settings.timeout_s)
         """The replicas' control endpoints (``/info``, ``/healthz``, ``/tier``, ``/assign``)."""
         self._task: asyncio.Task[None] | None = None
         self._assigning: set[asyncio.Task[None]] = set()
         # The predictive autoscaler (the same code the simulator replays) per production
-        # version, fed with what the gateway saw since the last step.
-        self.scalers: dict[tuple[DeploymentKey, str], Autoscaler[EmberState, EmberConfig]] = {}
-        self.targets: dict[tuple[DeploymentKey, str], TierCounts] = {}
-        self.demand: dict[tuple[DeploymentKey, str], list[float]] = {}
-        # Seconds to serving, per tier promoted from: the autoscaler's lead is their p95
-        # (PromotionTimes' measured defaults until a tier has samples).
-        self.promotion = PromotionLearner()
-        self._promotion_restored = False
+        # version, fed with what the gateway saw since the last step; its state (a learned
+        # daily profile) in the forecast store (Redis), restored by whichever controller
+        # acts next (restart, new leader).
+        self.autoscalers = Autoscalers(autoscale, forecast_store)
         self.fill_warm = fill_warm
         """Start replicas into the warm tier when the autoscaler wants more warm ones than
         demoting hot ones gives. Off by default: on the local (CPU) backend a warm replica
         holds as much memory as a hot one."""
-        self.autoscale_every_s = 1.0
-        self.autoscale_knobs = dict(autoscale or {})
-        """EmberConfig knobs for every deployment (``idle_hold_s``, ``warm_keep_s``)."""
         # Scale-to-zero deployments woken by a request while they held no replica: the
         # version is wanted hot (at least one) until this monotonic time — a start's worth,
         # then, once ready, the idle hold — after which the autoscaler, having seen the
         # demand, decides.
         self.woken: dict[tuple[DeploymentKey, str], float] = {}
-        self.registry_every_s = 1.0
-        self._last_read = self._last_full_read = -math.inf
-        self._fingerprint: tuple[Any, ...] | None = None
-        self._last_step = time.monotonic()
+        self.registry = RegistryView(db)
+        """Reads the deployments (when the registry changed) into ``deployments``."""
         # The job queue's hook (ember.jobs.demand): (tenant id, deployment) -> model units
         # of unfinished async jobs, read in a thread with the registry; added to the
         # production version's queued units, so a backlog scales the pool to drain it.
@@ -235,11 +154,6 @@ class PoolsController:
         # gateways counted, the leader adds it to its own before each autoscaler step.
         self.shared_demand = shared_demand
         self.async_queued: dict[tuple[int, str], float] = {}
-        # The autoscalers' state (a learned daily profile) in Redis: saved every
-        # ``state_every_s``, restored by whichever controller acts next (restart, new leader).
-        self.forecast_store = forecast_store
-        self.state_every_s = 10.0
-        self._state_saved = time.monotonic()
         # The shared warm tier (local backend, EMBER_WARM_SET_BYTES): versions with no ready
         # replica held in host RAM, so a standby process loads them from the page cache.
         self.warm_tier = warm_tier
@@ -260,8 +174,7 @@ class PoolsController:
                 await self._task
         if self.leading:  # what it learned, for the next controller (or this one restarted)
             await self._save_states(force=True)
-        if self.forecast_store is not None:
-            self.forecast_store.close()
+        self.autoscalers.close()
         if self.backend.replicas_outlive_controller:  # a successor adopts them
             if self.leader is not None and self.leading:
                 await asyncio.to_thread(self.leader.release)
@@ -301,15 +214,14 @@ class PoolsController:
         self.publish()
         if self.warm_tier is not None:
             self.warm_tier.tick(self)
-        self.metrics.observe(self)
+        self.metrics.observe(self.replicas.values(), leading=self.leading)
         if self.history is not None:
-            await self.history.tick(self)
+            await self.history.tick(self.deployments, self.replicas, self.scalers)
 
     def refresh(self) -> None:
         """Re-read the registry now (blocking: call it from a thread), e.g. right after an
         API call changed a deployment, so the next request routes by the change."""
-        self._last_read = time.monotonic()
-        self._read_if_changed(self._last_read, force=True)
+        self._read_if_changed(time.monotonic(), force=True)
 
     async def _gather_demand(self, shared: SharedDemand) -> None:
         """The leader adds what the followers' gateways counted to its own count."""
@@ -318,49 +230,21 @@ class PoolsController:
         except Exception:
             log.warning("could not read the followers' demand; sizing on this process's")
             return
-        for key, (arrived, admitted) in theirs.items():
-            mine = self.demand.setdefault(key, [0.0, 0.0])
-            mine[0] += arrived
-            mine[1] += admitted
+        self.autoscalers.add(theirs)
 
     async def _read_if_due(self) -> None:
         now = time.monotonic()
-        if now - self._last_read >= self.registry_every_s:  # policy changes apply within 1 s
-            self._last_read = now
+        if self.registry.due(now):  # policy changes apply within its every_s (1 s)
             await asyncio.to_thread(self._read_if_changed, now)
             if self.async_demand is not None:
                 self.async_queued = await asyncio.to_thread(self.async_demand)
 
     def _read_if_changed(self, now: float, *, force: bool = False) -> None:
-        """Every second a cheap fingerprint of what routing depends on (deployments, running
-        batch runs, ready versions); the whole view only when it changed, and every
-        ``registry_full_every_s`` regardless (calibrated cost models carry no timestamp).
-        A full read every second cost 12-17 ms of CPU per second on an idle API."""
-        fingerprint = self._registry_fingerprint()
-        due = now - self._last_full_read >= REGISTRY_FULL_S
-        if force or due or fingerprint != self._fingerprint:
-            self._fingerprint = fingerprint
-            self.deployments = self._read_registry()
-            self._last_full_read = now
-
-    def _registry_fingerprint(self) -> tuple[Any, ...]:
-        with self.db.connect() as conn:
-            deployments = conn.execute(
-                sa_select(
-                    func.count(), func.max(Deployment.updated_at), func.sum(Deployment.id)
-                ).select_from(Deployment)
-            ).one()
-            versions = conn.execute(
-                sa_select(func.count(), func.max(ModelVersion.validated_at)).where(
-                    col(ModelVersion.status) == VersionStatus.ready
-                )
-            ).one()
-            runs = conn.execute(
-                sa_select(col(BatchRun.tenant_id), col(BatchRun.deployment), col(BatchRun.version))
-                .where(col(BatchRun.status) == "running")
-                .order_by(col(BatchRun.id))
-            ).all()
-        return tuple(deployments), tuple(versions), tuple(tuple(r) for r in runs)
+        """The deployments, when the registry view changed (``RegistryView``); blocking."""
+        views = self.registry.read_if_changed(now, force=force)
+        if views is not None:
+            self.deployments = views
+            self.metrics.tenant_names = self.registry.tenant_names
 
     # --- leadership (only with a leader election) ---------------------------------------
 
@@ -384,8 +268,7 @@ class PoolsController:
     async def _adopt(self) -> None:
         """Elected: act for the replicas that exist (observed state), restarting none."""
         self._sync_observed(await asyncio.to_thread(self.backend.adopt), prune=True)
-        self.demand.clear()  # what followers counted is no one interval's demand
-        self._last_step = time.monotonic()
+        self.autoscalers.restart()  # what followers counted is no one interval's demand
         log.info("pools controller elected: acting", adopted=len(self.replicas))
 
     def _abdicate(self) -> None:
@@ -400,7 +283,7 @@ class PoolsController:
         (routed once the pod is Ready and the replica says hot); change nothing."""
         await self._read_if_due()
         if self.shared_demand is not None and self.demand:
-            counted, self.demand = self.demand, {}
+            counted = self.autoscalers.take_all()
             try:
                 await asyncio.to_thread(self.shared_demand.push, counted)
             except Exception:  # Redis away: this tick's share is lost, not the controller
@@ -420,7 +303,7 @@ class PoolsController:
             )
         )
         self.publish()
-        self.metrics.observe(self)
+        self.metrics.observe(self.replicas.values(), leading=self.leading)
 
     def _sync_observed(self, observed: list[ObservedReplica], prune: bool) -> None:
         """Track replicas found in the backend (``starting`` until ``/info`` tells their
@@ -437,54 +320,6 @@ class PoolsController:
         if prune:
             for replica_id in set(self.replicas) - seen:
                 self.replicas.pop(replica_id)
-
-    # --- registry -----------------------------------------------------------------------
-
-    def _read_registry(self) -> dict[DeploymentKey, DeploymentView]:
-        views: dict[DeploymentKey, DeploymentView] = {}
-        with session_scope(self.db) as session:
-            pins: dict[DeploymentKey, set[str]] = {}
-            for run in session.exec(select(BatchRun).where(BatchRun.status == "running")):
-                run_key = DeploymentKey(run.tenant_id, run.deployment)
-                pins.setdefault(run_key, set()).add(run.version)
-            tenants = {t.id: t for t in session.exec(select(Tenant)) if t.id is not None}
-            self.metrics.tenant_names = {i: t.name for i, t in tenants.items()}
-            for d in session.exec(select(Deployment)):
-                model = session.get(Model, d.model_id)
-                if model is None:
-                    continue
-                pinned = pins.get(DeploymentKey(d.tenant_id, d.name), set())
-                wanted = {v for v, w in d.traffic.items() if w > 0} | set(d.fallback) | pinned
-                rows = [
-                    r
-                    for r in session.exec(
-                        select(ModelVersion).where(
-                            ModelVersion.model_id == model.id,
-                            col(ModelVersion.version).in_(wanted),
-                        )
-                    )
-                    if r.status is VersionStatus.ready
-                ]
-                tenant = tenants.get(d.tenant_id)  # trusted: replicas skip code checks
-                trusted = {"trusted": bool(tenant is not None and tenant.trusted)}
-                specs = {
-                    r.version: VersionSpec.model_validate(
-                        catalog.version_spec(model, r, self.hardware) | trusted
-                    )
-                    for r in rows
-                }
-                views[DeploymentKey(d.tenant_id, d.name)] = DeploymentView(
-                    d.tenant_id,
-                    d.name,
-                    model.name,
-                    dict(d.traffic),
-                    PoolPolicy.model_validate(d.policy),
-                    specs,
-                    list(d.fallback),
-                    sorted(pinned),
-                    {r.version: r.size_bytes for r in rows if r.size_bytes},
-                )
-        return views
 
     # --- replica states -----------------------------------------------------------------
 
@@ -562,7 +397,7 @@ class PoolsController:
                 spawn = replica.ready_at - replica.started_at
                 self.standby.spawned(spawn)
             if (replica.key, replica.version) in self.woken:  # serve the wake-up, then scale
-                idle_hold = self.autoscale_knobs.get("idle_hold_s", WAKE_HOLD_S)
+                idle_hold = self.autoscalers.knobs.get("idle_hold_s", WAKE_HOLD_S)
                 self.woken[(replica.key, replica.version)] = replica.ready_at + idle_hold
             if not spare and replica.tier is Tier.hot and replica.then_tier is Tier.warm:
                 replica.then_tier = None  # a warm spare: loaded, now demoted (not routed)
@@ -639,28 +474,13 @@ class PoolsController:
 
     def inventory(self, key: DeploymentKey, version: str) -> Inventory:
         """The version's replicas by state, as :func:`~ember.pools.plan.plan` counts them."""
-        mine = [r for r in self.replicas.values() if r.key == key and r.version == version]
-        return Inventory(
-            hot=sum(1 for r in mine if r.state is ReplicaState.ready and r.tier is Tier.hot),
-            warm=sum(1 for r in mine if r.state is ReplicaState.ready and r.tier is Tier.warm),
-            starting_hot=sum(
-                1
-                for r in mine
-                if r.state is ReplicaState.promoting
-                or (r.state is ReplicaState.starting and r.then_tier is None)
-            ),
-            promoting=sum(1 for r in mine if r.state is ReplicaState.promoting),
-            starting_warm=sum(
-                1 for r in mine if r.state is ReplicaState.starting and r.then_tier is Tier.warm
-            ),
-            demoting=sum(1 for r in mine if r.state is ReplicaState.demoting),
-        )
+        return self.replicas.inventory(key, version)
 
     def plans(self, key: DeploymentKey) -> dict[str, tuple[Inventory, Target, Actions]]:
         """What to do for each version of a deployment (or of one deleted: stop it all)."""
         view = self.deployments.get(key)
         wanted = self.desired(view) if view is not None else {}
-        versions = set(wanted) | {r.version for r in self.replicas.values() if r.key == key}
+        versions = set(wanted) | {r.version for r in self.replicas.of(key)}
         inventories = {v: self.inventory(key, v) for v in versions}
         may_retire = all_ready(wanted, {v: inventories[v].hot for v in wanted})
         out: dict[str, tuple[Inventory, Target, Actions]] = {}
@@ -686,16 +506,14 @@ class PoolsController:
     def _carry_out(self) -> None:
         """Every deployment's plan, carried out: which replicas move is chosen here (the
         least loaded, then the newest, steps down first)."""
-        keys = set(self.deployments) | {
-            r.key for r in self.replicas.values() if not r.key.standby_pool
-        }
+        keys = set(self.deployments) | self.replicas.deployments()
         for key in sorted(keys):
             for version, (_, _, actions) in self.plans(key).items():
                 if actions:
                     self._act(key, version, actions)
 
     def _act(self, key: DeploymentKey, version: str, actions: Actions) -> None:
-        mine = [r for r in self.replicas.values() if r.key == key and r.version == version]
+        mine = self.replicas.of(key, version)
 
         def least_busy(rs: list[ManagedReplica]) -> list[ManagedReplica]:
             return sorted(
@@ -703,10 +521,8 @@ class PoolsController:
                 key=lambda r: (self.table.inflight_units(r.handle.replica_id), -r.started_at),
             )
 
-        hot = least_busy([r for r in mine if r.state is ReplicaState.ready and r.tier is Tier.hot])
-        warm = least_busy(
-            [r for r in mine if r.state is ReplicaState.ready and r.tier is Tier.warm]
-        )
+        hot = least_busy(self.replicas.ready(key, version, Tier.hot))
+        warm = least_busy(self.replicas.ready(key, version, Tier.warm))
         loading = [r for r in mine if r.state is ReplicaState.starting and r.then_tier is Tier.warm]
         for replica in warm[: actions.promote]:
             self._change_tier(replica, Tier.hot)
@@ -761,13 +577,9 @@ class PoolsController:
         ``arrived=False`` for the admission of a request whose arrival it reported
         already (one that waited for a replica)."""
         key = DeploymentKey(*key)
-        arrived_admitted = self.demand.setdefault((key, version), [0.0, 0.0])
-        if arrived:
-            arrived_admitted[0] += units
-            if self.warm_tier is not None:
-                self.warm_tier.demanded(key, version)
-        if admitted:
-            arrived_admitted[1] += units
+        self.autoscalers.count((key, version), units, arrived=arrived, admitted=admitted)
+        if arrived and self.warm_tier is not None:
+            self.warm_tier.demanded(key, version)
 
     def _standby_asked(self) -> None:
         """A start asks the shared standby pool for a process, found or not: the pool is
@@ -783,115 +595,61 @@ class PoolsController:
             log.info("standby pool grown", size=grown.size, peak_asks=grown.peak_asks)
 
     def _autoscale(self) -> None:
-        now = time.monotonic()
-        dt = now - self._last_step
-        if dt < self.autoscale_every_s:
+        dt = self.autoscalers.due(time.monotonic())
+        if dt is None:
             return
-        self._last_step = now
         for key, view in self.deployments.items():
             version = view.production
             if version is not None:
-                self.targets[(key, version)] = self._step(key, view, version, dt)
-
-    def _step(
-        self, key: DeploymentKey, view: DeploymentView, version: str, dt: float
-    ) -> TierCounts:
-        return (
-            self.scaler(key, view, version).step(self.observation(key, view, version, dt)).desired
-        )
+                scaler = self.scaler(key, view, version)
+                observed = self.observation(key, view, version, dt)
+                self.targets[(key, version)] = scaler.step(observed).desired
 
     def scaler(
         self, key: DeploymentKey, view: DeploymentView, version: str
     ) -> Autoscaler[EmberState, EmberConfig]:
-        """The version's autoscaler: ``decide`` with the deployment's pool policy. A changed
-        policy (new schedules, say) applies from the next step; what it learned stays."""
-        scaler = self.scalers.get((key, version))
-        config = self.autoscale_config(view)
-        if scaler is not None and scaler.config != config:
-            scaler.config = config
-        if scaler is None:
-            scaler = ember_autoscaler(
-                config,
-                clock=time.time,  # wall clock: the profiles are times of day, and persist
-                model=view.model,
-                version=version,
-                keep_last=20,
-            )
-            self.scalers[(key, version)] = scaler
-        return scaler
-
-    def autoscale_config(self, view: DeploymentView) -> EmberConfig:
-        return EmberConfig.from_policy(
-            view.policy, tick_s=self.autoscale_every_s, **self.autoscale_knobs
-        )
+        """The version's autoscaler (:meth:`~ember.pools.scaling.Autoscalers.scaler`)."""
+        return self.autoscalers.scaler(key, view, version)
 
     async def _restore_states(self) -> None:
-        """A production version without an autoscaler yet gets one, its state restored from
-        the store when there is one (read in a thread; Redis away: start afresh)."""
-        store = self.forecast_store
-        if store is None:
-            return
-        if not self._promotion_restored:
-            self._promotion_restored = True
-            try:
-                stored = await asyncio.to_thread(store.load_promotion)
-            except Exception:  # Redis away: the defaults until measured here
-                stored = {}
-            self.promotion.restore(stored)  # what was learned before, then what is now
-        for key, view in self.deployments.items():
-            version = view.production
-            if version is None or (key, version) in self.scalers:
-                continue
-            try:
-                data = await asyncio.to_thread(store.load, (key, version))
-            except Exception:  # Redis away: learn again rather than stop
-                log.warning("could not read the autoscaler state", deployment=view.name)
-                data = None
-            scaler = self.scaler(key, view, version)
-            state = None if data is None else state_from_dict(data, scaler.config)
-            if state is not None:
-                scaler.state = state
-                with model_context(view.model, version):
-                    log.info("autoscaler state restored", deployment=view.name,
-                             level_units_per_s=round(state.forecaster.level, 4))  # fmt: skip
+        await self.autoscalers.restore(self.deployments)
 
     async def _save_states(self, *, force: bool = False) -> None:
-        store = self.forecast_store
-        if store is None or not (self.scalers or self.deployments):
-            return
-        if not force and time.monotonic() - self._state_saved < self.state_every_s:
-            return
-        self._state_saved = time.monotonic()
-        # A version the registry no longer has (its deployment deleted, or it removed from
-        # the deployment) takes what it learned with it: a deployment created again under
-        # the same name starts afresh.
-        live = {(key, v) for key, view in self.deployments.items() for v in view.specs}
-        for gone in [k for k in self.scalers if k not in live]:
-            del self.scalers[gone]
-            self.targets.pop(gone, None)
-        states = {k: state_to_dict(s.state) for k, s in self.scalers.items()}
+        await self.autoscalers.save(self.deployments, force=force)
 
-        promotion = {tier: list(xs) for tier, xs in self.promotion.samples.items()}
+    # The autoscalers' state, as the controller has always shown it (the API, the tests).
 
-        def save() -> int:
-            store.save(states, promotion)
-            return store.keep_only(live)
+    @property
+    def scalers(self) -> dict[DemandKey, Autoscaler[EmberState, EmberConfig]]:
+        return self.autoscalers.scalers
 
-        try:
-            removed = await asyncio.to_thread(save)
-        except Exception:  # Redis away: saved at the next try
-            log.warning("could not save the autoscaler state")
-            return
-        if removed:
-            log.info("autoscaler state of removed versions forgotten", versions=removed)
+    @property
+    def targets(self) -> dict[DemandKey, TierCounts]:
+        return self.autoscalers.targets
+
+    @property
+    def demand(self) -> dict[DemandKey, list[float]]:
+        return self.autoscalers.demand
+
+    @property
+    def promotion(self) -> PromotionLearner:
+        return self.autoscalers.promotion
+
+    @property
+    def forecast_store(self) -> ForecastStore | None:
+        return self.autoscalers.store
+
+    @forecast_store.setter
+    def forecast_store(self, store: ForecastStore | None) -> None:
+        self.autoscalers.store = store
 
     def observation(
         self, key: DeploymentKey, view: DeploymentView, version: str, dt: float
     ) -> Observation:
         """What the version saw over the last ``dt`` seconds (takes the gateway's count)."""
-        mine = [r for r in self.replicas.values() if r.key == key and r.version == version]
-        hot = [r for r in mine if r.state is ReplicaState.ready and r.tier is Tier.hot]
-        arrived, admitted = self.demand.pop((key, version), [0.0, 0.0])
+        mine = self.replicas.of(key, version)
+        hot = [r for r in mine if r.ready_in is Tier.hot]
+        arrived, admitted = self.autoscalers.take((key, version))
         inflight = sum(self.table.inflight_units(r.handle.replica_id) for r in hot)
         unit = view.cost(version).cost(1)
         return Observation(
@@ -904,15 +662,10 @@ class PoolsController:
             capacity_units_per_s=view.capacity_units_per_s(version),
             ready=TierCounts(
                 hot=len(hot),
-                warm=sum(1 for r in mine if r.state is ReplicaState.ready and r.tier is Tier.warm),
-                standby=sum(1 for r in self.replicas.values() if r.state is ReplicaState.standby),
+                warm=sum(1 for r in mine if r.ready_in is Tier.warm),
+                standby=len(self.replicas.standby_ready()),
             ),
-            promoting=sum(
-                1
-                for r in mine
-                if r.state is ReplicaState.promoting
-                or (r.state is ReplicaState.starting and r.then_tier is None)
-            ),
+            promoting=sum(1 for r in mine if r.coming_hot),
             promotion=self.promotion.times(),
         )
 
@@ -950,9 +703,8 @@ class PoolsController:
         standby = next(
             (
                 r
-                for r in self.replicas.values()
-                if r.state is ReplicaState.standby
-                and self.backend.standby_can_take(r.handle, spec, options)
+                for r in self.replicas.standby_ready()
+                if self.backend.standby_can_take(r.handle, spec, options)
             ),
             None,
         )
@@ -1002,16 +754,10 @@ class PoolsController:
     def standby_wanted(self) -> int:
         """The shared standby pool's size: what its asks sized it to, or the standby
         replicas the production versions' autoscalers want together, within its bounds."""
-        wanted = sum(
-            t.standby
-            for (key, version), t in self.targets.items()
-            if key in self.deployments and version == self.deployments[key].production
-        )
-        return self.standby.wanted(wanted)
+        return self.standby.wanted(self.autoscalers.standby(self.deployments))
 
     def _keep_standby(self) -> None:
-        spares = [r for r in self.replicas.values() if r.key.standby_pool]
-        missing = self.standby_wanted() - len(spares)
+        missing = self.standby_wanted() - len(self.replicas.spares())
         if missing <= 0:
             return
         options = LaunchOptions(reserve_bytes=self._standby_reserve())
@@ -1046,27 +792,10 @@ class PoolsController:
     # --- routing table ------------------------------------------------------------------
 
     def publish(self) -> None:
-        """Publish the routing table (:class:`~ember.serving.routing.RoutingTable`): per
-        (deployment, version) the routes of its ready hot replicas, and whether a hot one is
-        on its way (starting, assigned, being promoted, or a warm one the autoscaler
-        promotes on demand). Called after every change of what is routable; one pass over
-        the replicas here, so a request never scans them."""
-        routes: dict[tuple[DeploymentKey, str], list[Route]] = {}
-        coming: set[tuple[DeploymentKey, str]] = set()
-        for r in self.replicas.values():
-            if r.key.standby_pool:
-                continue
-            lane = (r.key, r.version)
-            if r.state is ReplicaState.ready and r.tier is Tier.hot and r.route is not None:
-                routes.setdefault(lane, []).append(r.route)
-            elif r.state in (ReplicaState.starting, ReplicaState.promoting) or (
-                r.state is ReplicaState.ready and r.tier is Tier.warm
-            ):
-                coming.add(lane)
-        self.table.publish(
-            {k: Lane(tuple(routes.get(k, ())), k in coming) for k in routes.keys() | coming},
-            tracked=(r.route for r in self.replicas.values() if r.route is not None),
-        )
+        """Publish the routing table (:class:`~ember.serving.routing.RoutingTable`) from the
+        replicas (:meth:`~ember.pools.inventory.ReplicaInventory.lanes`). Called after every
+        change of what is routable, so a request never scans the replicas."""
+        self.table.publish(self.replicas.lanes(), tracked=self.replicas.routes())
 
     def wake(self, key: tuple[int, str], version: str) -> bool:
         """A request wants ``version`` and it has no routable replica: whether a hot one is
@@ -1097,11 +826,9 @@ class PoolsController:
         ready = {v: w for v, w in view.traffic.items() if w > 0 and self.table.routes(key, v)}
         if ready:
             return ready
-        running = {
-            r.version
-            for r in self.replicas.values()
-            if r.key == key and r.state is ReplicaState.ready and r.tier is Tier.hot
-        } - ((set(view.fallback) | set(view.pinned)) - set(view.traffic))
+        running = self.replicas.hot_versions(key) - (
+            (set(view.fallback) | set(view.pinned)) - set(view.traffic)
+        )
         # (fallbacks answer only as the ladder; pinned versions only their runs)
         if running:
             return {v: 1 for v in sorted(running)}
@@ -1109,94 +836,13 @@ class PoolsController:
 
     def replicas_of(self, key: tuple[int, str]) -> list[dict[str, Any]]:
         return [
-            r.public(self.table.inflight_units(r.handle.replica_id))
-            for r in self.replicas.values()
-            if r.key == key
+            r.public(self.table.inflight_units(r.handle.replica_id)) for r in self.replicas.of(key)
         ]
 
     def autoscaler_of(self, key: tuple[int, str]) -> dict[str, Any]:
-        """What the autoscaler of the deployment's production version forecast, wants per
-        tier and why, the promotion times it plans with and its last decisions (for
-        ``GET /v1/deployments/{name}/autoscaler``). ``acting`` is false on a controller
-        that follows another (which decides; its view is the leader's to show)."""
+        """The production version's autoscaler, shown
+        (:meth:`~ember.pools.scaling.Autoscalers.describe`); ``acting`` is false on a
+        controller that follows another."""
         key = DeploymentKey(*key)
         view = self.deployments.get(key)
-        version = view.production if view is not None else None
-        scaler = self.scalers.get((key, version)) if version is not None else None
-        promotion = self.promotion.times()
-        out: dict[str, Any] = {
-            "version": version,
-            "acting": self.leading,
-            "promotion_s": {"warm": promotion.warm_s, "standby": promotion.standby_s,
-                            "cold": promotion.cold_s},
-            "promotion_samples": {t: len(v) for t, v in self.promotion.samples.items()},
-            "config": None, "forecast": [], "desired": None, "reasons": [], "decisions": [],
-        }  # fmt: skip
-        if scaler is None:
-            return out
-        cfg = scaler.config
-        out["config"] = {
-            "target_utilization": cfg.target_utilization, "forecast_quantile":
-            cfg.forecast_quantile, "warm_cost": cfg.warm_cost, "standby_cost": cfg.standby_cost,
-            "min_hot": cfg.min_hot, "max_replicas": cfg.max_replicas,
-            "profile_periods_s": list(cfg.profile_periods_s),
-            "level_units_per_s": _finite(scaler.state.forecaster.level),
-        }  # fmt: skip
-        if scaler.last:
-            _, _, last = scaler.last[-1]
-            out["forecast"] = [
-                {"tier": s.tier.value, "from": s.source.value, "promotion_s": s.promotion_s,
-                 "horizon_s": _finite(s.horizon_s),
-                 "units_per_s": _finite(s.forecast_units_per_s), "replicas": s.replicas}
-                for s in last.stages
-            ]  # fmt: skip
-            d = last.desired
-            out["desired"] = {"hot": d.hot, "warm": d.warm, "standby": d.standby}
-            out["reasons"] = list(last.reasons)
-        out["decisions"] = [
-            {"at": _finite(t), "hot": d.desired.hot, "warm": d.desired.warm,
-             "standby": d.desired.standby, "arrived_units_per_s": _finite(o.arrived_units_per_s),
-             "ready": {"hot": o.ready.hot, "warm": o.ready.warm, "standby": o.ready.standby}}
-            for t, o, d in scaler.last
-        ]  # fmt: skip
-        return out
-
-
-def autoscale_knobs(settings: Settings) -> dict[str, Any]:
-    """The ``EmberConfig`` knobs the settings set for every deployment."""
-    knobs: dict[str, Any] = {
-        "idle_hold_s": settings.scale_idle_hold_s,
-        "warm_keep_s": settings.scale_warm_keep_s,
-        "warm_cost": settings.scale_warm_cost,
-        "standby_cost": settings.scale_standby_cost,
-        "forecast_quantile": settings.scale_forecast_quantile,
-    }
-    period = settings.scale_profile_period_s
-    if period != 86_400.0:  # a compressed day (tests, demos): the bins shrink alike ...
-        # (no finer than two ticks: a bin a tick does not fill is noise) ...
-        defaults = EmberConfig()
-        bin_s = max(period / 144, 2.0 * defaults.tick_s)
-        knobs |= {"profile_periods_s": (period, 7 * period), "profile_bin_s": bin_s}
-        # ... and so do the autoscaler's memories, to no less than five ticks: a day of a
-        # minute would otherwise remember a burst, or hold a step down, for longer than
-        # the day.
-        factor = period / 86_400.0
-        for name in COMPRESSED_WINDOWS:
-            seconds = knobs.get(name, getattr(defaults, name))
-            knobs[name] = min(seconds, max(5.0 * defaults.tick_s, seconds * factor))
-    return knobs
-
-
-COMPRESSED_WINDOWS = (
-    "level_tau_s", "trend_tau_s", "burst_decay_s", "stabilization_s", "burst_hold_s",
-    "standby_keep_s", "surge_decay_s", "predict_horizon_s",
-)  # fmt: skip
-"""The ``EmberConfig`` memories a compressed day (``scale_profile_period_s``) shrinks: the
-demand's level and trend, how long a burst is remembered or a step down held. The short
-window the burst guard follows (``burst_tau_s``, 10 s) is about noise, not the day, and
-stays."""
-
-
-def _finite(x: float) -> float | None:
-    """JSON has no NaN or infinity: ``None`` for those."""
-    return round(x, 6) if math.isfinite(x) else None
+        return self.autoscalers.describe(key, view, acting=self.leading)

@@ -21,9 +21,17 @@ from typing import TYPE_CHECKING, Any
 from ember.logs import get_logger
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     import redis
 
-    from ember.pools.controller import PoolsController
+    from ember.domain.spec import DeploymentKey
+    from ember.pools.autoscaler import Autoscaler, EmberConfig, EmberState
+    from ember.pools.inventory import ReplicaInventory
+    from ember.serving.routing import DeploymentView
+
+    Scalers = Mapping[tuple[DeploymentKey, str], Autoscaler[EmberState, EmberConfig]]
+    """The acting controller's autoscaler per (deployment, version)."""
 
 log = get_logger(__name__)
 
@@ -74,8 +82,14 @@ class History:
 
     # --- sampling (the acting controller) ---------------------------------------------------
 
-    async def tick(self, controller: PoolsController) -> None:
-        """Sample every deployment when one is due. Redis is written in a thread in the
+    async def tick(
+        self,
+        deployments: Mapping[DeploymentKey, DeploymentView],
+        replicas: ReplicaInventory,
+        scalers: Scalers,
+    ) -> None:
+        """Sample every deployment when one is due (what the controller holds: the registry
+        view, its replicas and its autoscalers). Redis is written in a thread in the
         background, one write at a time: a slow Redis skips samples, it never holds up
         the controller."""
         now = time.monotonic()
@@ -83,11 +97,11 @@ class History:
             return
         self._last_sample = now
         if self._redis is None:
-            self.store(self.sample(controller))
+            self.store(self.sample(deployments, replicas, scalers))
             return
         if self._writing is not None and not self._writing.done():
             return
-        samples = self.sample(controller)
+        samples = self.sample(deployments, replicas, scalers)
         if samples:
             self._writing = asyncio.get_running_loop().create_task(self._store_in_thread(samples))
 
@@ -98,15 +112,19 @@ class History:
             log.warning("could not store the dashboard history", error=str(exc)[:200])
 
     def sample(
-        self, controller: PoolsController, at: float | None = None
+        self,
+        deployments: Mapping[DeploymentKey, DeploymentView],
+        replicas: ReplicaInventory,
+        scalers: Scalers,
+        at: float | None = None,
     ) -> dict[Key, dict[str, Any]]:
         """One sample per deployment: replicas by tier, the demand the autoscaler saw since
         the last sample (mean over its steps) and its latest forecast per tier."""
         at = time.time() if at is None else at
-        standby = sum(1 for r in controller.replicas.values() if r.state == "standby")
+        standby = len(replicas.standby_ready())
         out: dict[Key, dict[str, Any]] = {}
-        for key, view in controller.deployments.items():
-            mine = [r for r in controller.replicas.values() if r.key == key]
+        for key, view in deployments.items():
+            mine = replicas.of(key)
             tiers = {
                 "hot": sum(1 for r in mine if r.state == "ready" and r.tier == "hot"),
                 "warm": sum(1 for r in mine if r.state == "ready" and r.tier == "warm"),
@@ -122,7 +140,7 @@ class History:
                 "admitted_units_per_s": None,
                 "forecast": [],
             }
-            scaler = controller.scalers.get((key, version)) if version is not None else None
+            scaler = scalers.get((key, version)) if version is not None else None
             if scaler is not None and scaler.last:
                 since = self._seen.get(key, -math.inf)
                 steps = [(t, o) for t, o, _ in scaler.last if t > since]

@@ -19,9 +19,9 @@ from ember.logs import get_logger
 from ember.pools.costs import WINDOWS, CostLedger
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Iterable, Iterator
 
-    from ember.pools.controller import ManagedReplica, PoolsController
+    from ember.pools.inventory import ManagedReplica
     from ember.serving.cache import ResponseCache
     from ember.serving.predlog import PredictionLog
     from ember.serving.routing import DeploymentView
@@ -285,15 +285,16 @@ class PoolMetrics:
     def hedged(self, view: DeploymentView, version: str, outcome: str) -> None:
         self.hedges.labels(*self.of(view), version, outcome).inc()
 
-    def observe(self, controller: PoolsController) -> None:
-        """The replica gauges; and, on the controller that acts, the replica-seconds of every
-        replica since it was last counted (from its start, or the last tick this controller
-        followed: the leader then counted them), and the standby starts."""
+    def observe(self, replicas: Iterable[ManagedReplica], *, leading: bool) -> None:
+        """The replica gauges of every tracked replica; and, ``leading`` (on the controller
+        that acts), the replica-seconds of each since it was last counted (from its start,
+        or the last tick this controller followed: the leader then counted them), and the
+        standby starts."""
         now = time.monotonic()
         self.replicas.clear()
         counts: dict[tuple[str, ...], int] = {}
         seen: dict[str, float] = {}
-        for replica in controller.replicas.values():
+        for replica in replicas:
             labels = self.of_replica(replica)
             state = "queued" if replica.queued else replica.state
             row = (*labels, state, replica.tier)
@@ -301,7 +302,7 @@ class PoolMetrics:
             rid = replica.handle.replica_id
             since = max(self._counted.get(rid, replica.started_at), replica.started_at)
             seen[rid] = now
-            if not controller.leading:  # a follower: the leader counts up to now
+            if not leading:  # a follower: the leader counts up to now
                 continue
             seconds = max(0.0, now - since)
             key = (replica.key[0], replica.key[1], replica.model or "-", replica.version or "-")

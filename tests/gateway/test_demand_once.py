@@ -9,7 +9,8 @@ import time
 
 from ember.domain.spec import Priority, ReplicaState, VersionSpec
 from ember.pools.backends.base import ReplicaHandle
-from ember.pools.controller import ManagedReplica, PoolsController
+from ember.pools.controller import PoolsController
+from ember.pools.inventory import ManagedReplica
 from ember.registry.schemas import PoolPolicy
 from ember.serving.admission import Admission
 from ember.serving.gateway import Gateway

@@ -10,7 +10,8 @@ import pytest
 
 from ember.domain.spec import Priority, VersionSpec
 from ember.pools.backends.base import ReplicaHandle
-from ember.pools.controller import ManagedReplica, PoolsController
+from ember.pools.controller import PoolsController
+from ember.pools.inventory import ManagedReplica
 from ember.registry.schemas import PoolPolicy
 from ember.serving.admission import Admission
 from ember.serving.gateway import Gateway

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from ember.domain.spec import STANDBY_POOL, DeploymentKey, ReplicaState, Tier
 from ember.pools.backends.base import ReplicaHandle
-from ember.pools.controller import ManagedReplica, PoolsController
+from ember.pools.controller import PoolsController
+from ember.pools.inventory import ManagedReplica
 from ember.serving.router import Route
 from ember.serving.routing import Lane, RoutingTable
 from tests.pools.test_controller_autoscale import FakeBackend

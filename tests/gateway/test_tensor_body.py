@@ -16,7 +16,8 @@ import numpy as np
 
 from ember.domain.spec import REPLICA_SECRET_HEADER, VersionSpec
 from ember.pools.backends.base import ReplicaHandle
-from ember.pools.controller import ManagedReplica, PoolsController
+from ember.pools.controller import PoolsController
+from ember.pools.inventory import ManagedReplica
 from ember.registry.schemas import PoolPolicy
 from ember.serving.admission import Admission
 from ember.serving.gateway import Gateway

@@ -186,7 +186,7 @@ def test_learned_promotion_times_survive_a_restart(store: ForecastStore) -> None
 
 def test_a_compressed_day_shrinks_the_bins_and_memories_with_floors() -> None:
     from ember.config import Settings
-    from ember.pools.controller import COMPRESSED_WINDOWS, autoscale_knobs
+    from ember.pools.scaling import COMPRESSED_WINDOWS, autoscale_knobs
 
     assert "profile_bin_s" not in autoscale_knobs(Settings())  # a real day: the defaults
     knobs = autoscale_knobs(Settings(scale_profile_period_s=60.0))

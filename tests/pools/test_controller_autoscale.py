@@ -15,7 +15,8 @@ from ember.costmodel import CostModel
 from ember.domain.spec import STANDBY_POOL, DeploymentKey, ReplicaState, Source, Tier, VersionSpec
 from ember.pools.autoscaler import PromotionTimes, TierCounts, decide
 from ember.pools.backends.base import LaunchOptions, ReplicaBackend, ReplicaHandle
-from ember.pools.controller import ManagedReplica, PoolsController
+from ember.pools.controller import PoolsController
+from ember.pools.inventory import ManagedReplica
 from ember.pools.replay import Deployment, make_autoscaler
 from ember.pools.replica_control import ReplicaControl
 from ember.pools.simulator import SimConfig, simulate

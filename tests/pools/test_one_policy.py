@@ -14,7 +14,8 @@ import pytest
 
 from ember.pools.autoscaler import PromotionTimes
 from ember.pools.backends.base import ReplicaHandle
-from ember.pools.controller import ManagedReplica, PoolsController
+from ember.pools.controller import PoolsController
+from ember.pools.inventory import ManagedReplica
 from ember.pools.plan import Actions, Inventory, Target, hot_target, plan
 from ember.pools.replay import Deployment, make_autoscaler
 from ember.pools.replica_control import ReplicaControl
@@ -28,7 +29,7 @@ POLICY = {"min_hot": 1, "max_replicas": 20, "target_utilization": 0.7}
 
 def _hold(ctl: PoolsController, inv: Inventory, ids: itertools.count[int]) -> None:
     """Give the controller the replicas ``inv`` counts (and nothing else)."""
-    ctl.replicas = {}
+    ctl.replicas.clear()
 
     def add(n: int, state: str, tier: str, then_tier: str | None = None) -> None:
         for _ in range(n):

@@ -12,7 +12,8 @@ import pytest
 from ember.api.app import prepare
 from ember.config import Settings
 from ember.pools.backends.local import LocalProcessBackend
-from ember.pools.controller import REGISTRY_FULL_S, PoolsController
+from ember.pools.controller import PoolsController
+from ember.pools.registry_view import REGISTRY_FULL_S
 from ember.registry.db import session_scope
 from ember.registry.tables import Deployment, Model, ModelVersion, Tenant, VersionStatus
 
@@ -36,14 +37,14 @@ def test_the_view_is_read_again_only_when_the_registry_changed(
                          traffic={"1": 100}, policy={"min_hot": 1}))  # fmt: skip
     controller = PoolsController(engine, LocalProcessBackend(settings))
     reads = 0
-    real = controller._read_registry
+    real = controller.registry.read
 
     def counted() -> dict:  # type: ignore[type-arg]
         nonlocal reads
         reads += 1
         return real()
 
-    monkeypatch.setattr(controller, "_read_registry", counted)
+    monkeypatch.setattr(controller.registry, "read", counted)
     controller._read_if_changed(100.0)
     assert reads == 1 and controller.deployments[(tenant.id, "m")].policy.min_hot == 1
     controller._read_if_changed(101.0)
