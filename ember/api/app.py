@@ -135,8 +135,9 @@ def start_pools(settings: Settings, engine: Engine) -> tuple[PoolsController, Ga
     the gateway in front — the serving side, which sees the controller only through the
     ``ControlPlane`` interface. Every collaborator of the controller is given at
     construction; nothing is attached to it afterwards."""
+    from ember.pools.actions import ProbeSettings
     from ember.pools.backends import create_backend, standby_pool
-    from ember.pools.controller import PoolsController, ProbeSettings
+    from ember.pools.controller import PoolsController
     from ember.pools.costs import CostLedger
     from ember.pools.demand import ForecastStore, SharedDemand
     from ember.pools.history import History

@@ -2,7 +2,7 @@
 should be, and the routing table the gateway reads.
 
 Every tick it reads the deployments from the registry, reaps replicas whose process
-exited, promotes ``starting`` replicas that answer ``/readyz``, probes idle ready
+exited, promotes ``starting`` replicas that answer ``/info`` ready, probes idle ready
 replicas through ``/healthz`` (killing and replacing those that stop answering), starts
 what is missing (taking a standby process when one is ready), retires versions that no
 longer get traffic once the new ones are ready, and keeps a small standby pool.
@@ -13,10 +13,14 @@ acts; the others follow — they keep the routing table from the replicas the ba
 observes and change nothing. A newly elected controller adopts the replicas that exist
 instead of starting its own.
 
-This module is the loop that decides and acts; what it reads and asks is each its own
-piece: the replicas and their typed state (``inventory``), the deployments read from the
-registry (``registry_view``), the replicas' control endpoints (``replica_control``), the
-autoscalers and their saved state (``scaling``) and what it learns (``learners``).
+This module is the loop that decides — leadership, the tick, each version's plan — and
+what the serving side calls (``ControlPlane``: the routing table, the deployments, demand,
+wake-ups) and reads; the rest is each its own piece: what is done to the replicas
+(``actions``: starts, tier changes, drains, failures, probes, the standby pool), the
+replicas and their typed state (``inventory``), the deployments read from the registry
+(``registry_view``), the replicas' control endpoints (``replica_control``, used by the
+actions), the autoscalers and their saved state (``scaling``) and what it learns
+(``learners``).
 """
 
 from __future__ import annotations
@@ -26,28 +30,16 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ember.domain.spec import (
-    STANDBY_POOL,
-    DeploymentKey,
-    ReplicaState,
-    Source,
-    Tier,
-    VersionSpec,
-)
+from ember.domain.spec import DeploymentKey, ReplicaState, Tier
 from ember.errors import NotReady
-from ember.loader.pagecache import whole_huge_pages
-from ember.logs import get_logger, model_context
+from ember.logs import get_logger
+from ember.pools.actions import ProbeSettings, ReplicaActions
 from ember.pools.autoscaler import Autoscaler, EmberConfig, EmberState, Observation, TierCounts
-from ember.pools.backends.base import (
-    LaunchOptions,
-    ObservedReplica,
-    ReplicaBackend,
-)
+from ember.pools.backends.base import ReplicaBackend
 from ember.pools.demand import DemandKey, ForecastStore, SharedDemand
-from ember.pools.inventory import ManagedReplica, ReplicaInventory
+from ember.pools.inventory import ReplicaInventory
 from ember.pools.learners import PromotionLearner, StandbySizer
 from ember.pools.metrics import PoolMetrics
 from ember.pools.plan import (
@@ -59,10 +51,8 @@ from ember.pools.plan import (
     plan,
 )
 from ember.pools.registry_view import RegistryView
-from ember.pools.replica_control import ReplicaControl
 from ember.pools.scaling import Autoscalers
 from ember.pools.warmtier import SharedWarmTier
-from ember.serving.router import Route
 from ember.serving.routing import DeploymentView, RoutingTable
 
 if TYPE_CHECKING:
@@ -75,15 +65,6 @@ log = get_logger(__name__)
 
 WAKE_HOLD_S = 60.0
 """A woken scale-to-zero version is wanted hot this long while its replica starts."""
-
-
-@dataclass(frozen=True)
-class ProbeSettings:
-    idle_s: float = 5.0
-    """Probe a ready replica that completed no request for this long."""
-    timeout_s: float = 2.0
-    failures: int = 2
-    """Consecutive failed probes before the replica is killed and replaced."""
 
 
 class PoolsController:
@@ -107,29 +88,21 @@ class PoolsController:
         warm_tier: SharedWarmTier | None = None,
         history: History | None = None,
     ) -> None:
-        self.standby_reserve_max = standby_reserve_max
-        """Host memory a standby process faults in ahead, at most (``_standby_reserve``)."""
         self.backend = backend
         self.leader = leader
         self.leading = leader is None
         self._lease_checked = -math.inf
         self.standby = StandbySizer(standby_pool, standby_max)
         """The shared standby pool's size: the floor, grown by the starts that ask for one."""
-        self.probe_settings = probe or ProbeSettings()
         self.tick_s = tick_s
         self.max_restarts = max_restarts
         self.replicas = ReplicaInventory()
         self.deployments: dict[DeploymentKey, DeploymentView] = {}
-        self.failures: dict[tuple[DeploymentKey, str], int] = {}
-        self.events: list[dict[str, Any]] = []
         self.table = RoutingTable()
         """What the serving side routes by (``publish``); it counts in-flight units there."""
         self.metrics = PoolMetrics()
         backend.register_metrics(self.metrics.registry)
-        self.replica_api = ReplicaControl.with_timeout(self.probe_settings.timeout_s)
-        """The replicas' control endpoints (``/info``, ``/healthz``, ``/tier``, ``/assign``)."""
         self._task: asyncio.Task[None] | None = None
-        self._assigning: set[asyncio.Task[None]] = set()
         # The predictive autoscaler (the same code the simulator replays) per production
         # version, fed with what the gateway saw since the last step; its state (a learned
         # daily profile) in the forecast store (Redis), restored by whichever controller
@@ -161,6 +134,21 @@ class PoolsController:
             warm_tier.register_metrics(self.metrics.registry)
         # What the dashboard plots (ember.pools.history): sampled by the acting controller.
         self.history = history
+        self.actions = ReplicaActions(
+            backend,
+            self.replicas,
+            self.table,
+            self.metrics,
+            standby=self.standby,
+            promotion=self.promotion,
+            probe=probe or ProbeSettings(),
+            woken=self.woken,
+            idle_hold_s=self.autoscalers.knobs.get("idle_hold_s", WAKE_HOLD_S),
+            leading=lambda: self.leading,
+            warm_tier=warm_tier,
+            standby_reserve_max=standby_reserve_max,
+        )
+        """What is done to the replicas (started, tiered, drained, failed, probed)."""
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -182,7 +170,7 @@ class PoolsController:
         else:
             for replica in list(self.replicas.values()):
                 await asyncio.to_thread(self.backend.stop, replica.handle, 5.0)
-        await self.replica_api.aclose()
+        await self.actions.replica_api.aclose()
         if self.shared_demand is not None:
             self.shared_demand.close()
         if self.warm_tier is not None:
@@ -203,9 +191,9 @@ class PoolsController:
         await self._read_if_due()
         if self.shared_demand is not None:
             await self._gather_demand(self.shared_demand)
-        self._reap_exited()
-        await self._check_starting()
-        await self._probe_idle()
+        self.actions.reap_exited()
+        await self.actions.check_starting()
+        await self.actions.probe_idle()
         await self._restore_states()
         self._autoscale()
         await self._save_states()
@@ -213,7 +201,7 @@ class PoolsController:
         self._keep_standby()
         self.publish()
         if self.warm_tier is not None:
-            self.warm_tier.tick(self)
+            self.warm_tier.tick(self.deployments, self.replicas)
         self.metrics.observe(self.replicas.values(), leading=self.leading)
         if self.history is not None:
             await self.history.tick(self.deployments, self.replicas, self.scalers)
@@ -267,14 +255,13 @@ class PoolsController:
 
     async def _adopt(self) -> None:
         """Elected: act for the replicas that exist (observed state), restarting none."""
-        self._sync_observed(await asyncio.to_thread(self.backend.adopt), prune=True)
+        self.replicas.track(await asyncio.to_thread(self.backend.adopt), prune=True)
         self.autoscalers.restart()  # what followers counted is no one interval's demand
         log.info("pools controller elected: acting", adopted=len(self.replicas))
 
     def _abdicate(self) -> None:
         """Lost the Lease: stop acting at once (another controller may act already)."""
-        for task in list(self._assigning):
-            task.cancel()
+        self.actions.cancel()
         self.scalers.clear()  # the next leader goes on from the stored state; so will we
         log.warning("pools controller lost its lease: following")
 
@@ -289,7 +276,7 @@ class PoolsController:
             except Exception:  # Redis away: this tick's share is lost, not the controller
                 log.warning("could not share the gateway's demand with the leader")
         observed = self.backend.observe()
-        self._sync_observed(observed, prune=True)
+        self.replicas.track(observed, prune=True)
         ready = {o.handle.replica_id for o in observed if o.ready}
         for replica in self.replicas.values():
             if replica.state is ReplicaState.ready and replica.handle.replica_id not in ready:
@@ -297,7 +284,7 @@ class PoolsController:
         self.publish()
         await asyncio.gather(
             *(
-                self._check_one(r)
+                self.actions.check_one(r)
                 for r in self.replicas.values()
                 if r.state is ReplicaState.starting and r.handle.replica_id in ready
             )
@@ -305,139 +292,7 @@ class PoolsController:
         self.publish()
         self.metrics.observe(self.replicas.values(), leading=self.leading)
 
-    def _sync_observed(self, observed: list[ObservedReplica], prune: bool) -> None:
-        """Track replicas found in the backend (``starting`` until ``/info`` tells their
-        state); with ``prune``, forget tracked ones that are no longer there."""
-        seen = set()
-        for o in observed:
-            seen.add(o.handle.replica_id)
-            if o.handle.replica_id not in self.replicas:
-                key = DeploymentKey(o.tenant_id, o.deployment) if o.deployment else STANDBY_POOL
-                tier = Tier.standby if key.standby_pool else Tier.hot
-                replica = ManagedReplica(o.handle, key, o.model, o.version, tier=tier)
-                replica.adopted = True
-                self.replicas[o.handle.replica_id] = replica
-        if prune:
-            for replica_id in set(self.replicas) - seen:
-                self.replicas.pop(replica_id)
-
-    # --- replica states -----------------------------------------------------------------
-
-    def _event(self, kind: str, replica: ManagedReplica, **fields: Any) -> None:
-        event = {
-            "event": kind,
-            "replica_id": replica.handle.replica_id,
-            "model": replica.model,
-            "version": replica.version,
-            "tenant_id": replica.key.tenant_id,
-            "deployment": replica.key.name,
-            "at": time.time(),
-            **fields,
-        }
-        self.events = [*self.events[-199:], event]
-        with model_context(replica.model, replica.version, replica_id=replica.handle.replica_id):
-            log.info(f"replica {kind}", **fields)
-
-    def _fail(self, replica: ManagedReplica, reason: str) -> None:
-        replica.state, replica.reason = ReplicaState.failed, reason
-        if self.leading:  # a follower only forgets it; the acting controller replaces it
-            self.backend.kill(replica.handle)  # nothing to drain, a hung one gets no grace
-        self.replicas.pop(replica.handle.replica_id, None)
-        if not replica.key.standby_pool:
-            key = (replica.key, replica.version)
-            self.failures[key] = self.failures.get(key, 0) + 1
-        self.publish()
-        self._event("failed", replica, reason=reason)
-
-    def _reap_exited(self) -> None:
-        for replica in list(self.replicas.values()):
-            if (
-                replica.state is ReplicaState.draining
-            ):  # being stopped: its exit is the plan, no failure
-                continue
-            status = self.backend.exited(replica.handle)
-            if status is not None:
-                self.metrics.replaced.labels(*self.metrics.of_replica(replica), "exited").inc()
-                reason = self.backend.exit_reason(replica.handle)
-                self._fail(replica, reason or f"process exited with status {status}")
-
-    async def _check_starting(self) -> None:
-        starting = [r for r in self.replicas.values() if r.state is ReplicaState.starting]
-        for replica in starting:
-            self._note_queued(replica)
-        await asyncio.gather(*(self._check_one(r) for r in starting if r.queued is None))
-
-    def _note_queued(self, replica: ManagedReplica) -> None:
-        """Whether the backend still holds the replica back (its state says why); its
-        start time is when it leaves the queue, so a cold start's figure is its own."""
-        waiting = self.backend.waiting(replica.handle)
-        if waiting is not None and replica.queued is None:
-            self._event("queued", replica, reason=waiting)
-        elif waiting is None and replica.queued is not None:
-            replica.started_at = time.monotonic()
-            self._event("dequeued", replica, pid=replica.handle.pid, port=replica.handle.port)
-        replica.queued = waiting
-
-    async def _check_one(self, replica: ManagedReplica) -> None:
-        info = await self.replica_api.info(replica.handle)
-        if info is None:
-            return  # not listening yet
-        if info.get("state") == "failed":
-            self._fail(replica, info.get("failure") or "load failed")
-            return
-        spare = replica.key.standby_pool
-        want = ReplicaState.standby if spare else ReplicaState.ready
-        if replica.adopted and not spare and info.get("state") == want:
-            replica.tier = Tier(info.get("tier") or Tier.hot)  # a warm one stays warm
-        if info.get("state") == want and (spare or info.get("tier") == replica.tier):
-            replica.state = want
-            replica.ready_at = time.monotonic()
-            replica.last_ok = replica.ready_at
-            if spare and not replica.adopted:
-                spawn = replica.ready_at - replica.started_at
-                self.standby.spawned(spawn)
-            if (replica.key, replica.version) in self.woken:  # serve the wake-up, then scale
-                idle_hold = self.autoscalers.knobs.get("idle_hold_s", WAKE_HOLD_S)
-                self.woken[(replica.key, replica.version)] = replica.ready_at + idle_hold
-            if not spare and replica.tier is Tier.hot and replica.then_tier is Tier.warm:
-                replica.then_tier = None  # a warm spare: loaded, now demoted (not routed)
-                self._change_tier(replica, Tier.warm)
-            elif not spare and replica.tier is Tier.hot:
-                replica.route = Route(
-                    replica.handle.replica_id, replica.handle.url, replica.version,
-                    secret=replica.handle.secret,
-                )  # fmt: skip
-            if not spare and not replica.adopted:
-                took = replica.ready_at - replica.started_at
-                self.metrics.cold_start.labels(*self.metrics.of_replica(replica)).observe(took)
-                self.promotion.record(replica.source, took)
-                self.failures.pop((replica.key, replica.version), None)
-            self.publish()
-            self._event("ready", replica, startup_s=round(replica.ready_at - replica.started_at, 3),
-                        load=(info.get("load_report") or {}).get("stages"))  # fmt: skip
-
-    async def _probe_idle(self) -> None:
-        now = time.monotonic()
-        idle = [
-            r
-            for r in self.replicas.values()
-            if r.state in (ReplicaState.ready, ReplicaState.standby)
-            and now - r.last_ok >= self.probe_settings.idle_s
-        ]
-        await asyncio.gather(*(self._probe_one(r) for r in idle))
-
-    async def _probe_one(self, replica: ManagedReplica) -> None:
-        if await self.replica_api.healthy(replica.handle):
-            replica.probe_failures, replica.last_ok = 0, time.monotonic()
-            return
-        replica.probe_failures += 1
-        if replica.probe_failures >= self.probe_settings.failures:
-            detected = time.monotonic() - replica.last_ok
-            labels = self.metrics.of_replica(replica)
-            self.metrics.detect_seconds.labels(*labels).observe(detected)
-            self.metrics.replaced.labels(*labels, "probe").inc()
-            self._fail(replica, f"failed {replica.probe_failures} health probes")
-            self._event("killed", replica, detected_after_s=round(detected, 3))
+    # --- the gateway's word -------------------------------------------------------------
 
     def mark_ok(self, replica_id: str) -> None:
         """The gateway saw a real request succeed: no probe needed for a while."""
@@ -493,74 +348,24 @@ class PoolsController:
             else:
                 target = Target(0, serving=False)
             inv = inventories[version]
-            actions = plan(
+            todo = plan(
                 inv,
                 target,
                 fill_warm=self.fill_warm,
                 may_retire=may_retire,
-                crash_looping=self.failures.get((key, version), 0) >= self.max_restarts,
+                crash_looping=self.actions.failures.get((key, version), 0) >= self.max_restarts,
             )
-            out[version] = (inv, target, actions)
+            out[version] = (inv, target, todo)
         return out
 
     def _carry_out(self) -> None:
-        """Every deployment's plan, carried out: which replicas move is chosen here (the
-        least loaded, then the newest, steps down first)."""
+        """Every deployment's plan, carried out (:meth:`~ember.pools.actions.ReplicaActions.act`
+        picks which replicas move)."""
         keys = set(self.deployments) | self.replicas.deployments()
         for key in sorted(keys):
-            for version, (_, _, actions) in self.plans(key).items():
-                if actions:
-                    self._act(key, version, actions)
-
-    def _act(self, key: DeploymentKey, version: str, actions: Actions) -> None:
-        mine = self.replicas.of(key, version)
-
-        def least_busy(rs: list[ManagedReplica]) -> list[ManagedReplica]:
-            return sorted(
-                rs,
-                key=lambda r: (self.table.inflight_units(r.handle.replica_id), -r.started_at),
-            )
-
-        hot = least_busy(self.replicas.ready(key, version, Tier.hot))
-        warm = least_busy(self.replicas.ready(key, version, Tier.warm))
-        loading = [r for r in mine if r.state is ReplicaState.starting and r.then_tier is Tier.warm]
-        for replica in warm[: actions.promote]:
-            self._change_tier(replica, Tier.hot)
-        for replica in loading[: actions.keep_hot]:
-            replica.then_tier = None
-        view = self.deployments.get(key)
-        if view is not None and version in view.specs:
-            for _ in range(actions.start_hot):
-                self._start(view, version)
-            for _ in range(actions.start_warm):
-                self._start(view, version, then_tier=Tier.warm)
-        for replica in hot[: actions.demote]:
-            self._change_tier(replica, Tier.warm)
-        stops = hot[actions.demote : actions.demote + actions.stop_hot]
-        stops += warm[actions.promote : actions.promote + actions.stop_warm]
-        # Warm spares still loading first, the newest (the last to be ready) first.
-        on_the_way = sorted(
-            (
-                r
-                for r in mine
-                if r.state in (ReplicaState.starting, ReplicaState.promoting, ReplicaState.demoting)
-            ),
-            key=lambda r: (
-                r.then_tier is not Tier.warm or r.state is not ReplicaState.starting,
-                -r.started_at,
-            ),
-        )
-        stops += on_the_way[: actions.stop_starting]
-        starts = [r for r in mine if r.state is ReplicaState.starting and r.then_tier is None]
-        stops += sorted(starts, key=lambda r: -r.started_at)[: actions.cancel_hot]
-        for replica in stops:
-            self._stop(replica)
-
-    def _stop(self, replica: ManagedReplica) -> None:
-        replica.state = ReplicaState.draining
-        self.publish()
-        self._event("draining", replica)
-        self._spawn(self._drain(replica))
+            for version, (_, _, todo) in self.plans(key).items():
+                if todo:
+                    self.actions.act(self.deployments.get(key), key, version, todo)
 
     # --- autoscaling --------------------------------------------------------------------
 
@@ -580,19 +385,6 @@ class PoolsController:
         self.autoscalers.count((key, version), units, arrived=arrived, admitted=admitted)
         if arrived and self.warm_tier is not None:
             self.warm_tier.demanded(key, version)
-
-    def _standby_asked(self) -> None:
-        """A start asks the shared standby pool for a process, found or not: the pool is
-        sized from those asks with the simulator's own rule (``size_standby_pool``: one more
-        than the most asked for within one refill time, the refill time learned here),
-        between the floor and the maximum (:class:`~ember.pools.learners.StandbySizer`)."""
-        grown = self.standby.asked(time.monotonic())
-        if grown is not None:
-            event = {"event": "standby_pool", "size": grown.size, "peak_asks": grown.peak_asks,
-                     "refill_s": round(grown.refill_s, 3), "tenant_id": 0, "deployment": "",
-                     "at": time.time()}  # fmt: skip
-            self.events = [*self.events[-199:], event]
-            log.info("standby pool grown", size=grown.size, peak_asks=grown.peak_asks)
 
     def _autoscale(self) -> None:
         dt = self.autoscalers.due(time.monotonic())
@@ -669,133 +461,23 @@ class PoolsController:
             promotion=self.promotion.times(),
         )
 
-    def _change_tier(self, replica: ManagedReplica, tier: Tier) -> None:
-        replica.state = ReplicaState.promoting if tier is Tier.hot else ReplicaState.demoting
-        self.publish()
-        self._spawn(self._set_tier(replica, tier))
-
-    async def _set_tier(self, replica: ManagedReplica, tier: Tier) -> None:
-        started = time.monotonic()
-        if not await self.replica_api.set_tier(replica.handle, tier):
-            self._fail(replica, f"tier change to {tier} failed")
-            return
-        replica.state, replica.tier, replica.last_ok = ReplicaState.ready, tier, time.monotonic()
-        self.publish()
-        if tier is Tier.hot:
-            self.promotion.record(Source.warm, time.monotonic() - started)
-        self._event("tier", replica, tier=tier, seconds=round(time.monotonic() - started, 3))
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._assigning.add(task)
-        task.add_done_callback(self._assigning.discard)
-
-    def _start(self, view: DeploymentView, version: str, *, then_tier: Tier | None = None) -> None:
-        spec = view.specs[version]
-        options = LaunchOptions(
-            view.policy.max_batch_size,
-            view.policy.max_queue_delay_ms,
-            tenant_id=view.tenant_id,
-            deployment=view.name,
-            placement=view.policy.placement,
-        )
-        self._standby_asked()
-        standby = next(
-            (
-                r
-                for r in self.replicas.standby_ready()
-                if self.backend.standby_can_take(r.handle, spec, options)
-            ),
-            None,
-        )
-        if standby is not None:
-            self.backend.assigned(standby.handle, spec, options)
-            del self.replicas[standby.handle.replica_id]
-            # A version the shared warm tier holds loads from host RAM: a warm promotion.
-            held = self.warm_tier is not None and self.warm_tier.holds(
-                view.model, version, spec.sha256
-            )
-            replica = ManagedReplica(
-                standby.handle,
-                view.key,
-                view.model,
-                version,
-                source=Source.warm if held else Source.standby,
-                then_tier=then_tier,
-            )
-            self.replicas[replica.handle.replica_id] = replica
-            task = asyncio.get_running_loop().create_task(self._assign(replica, spec, options))
-            self._assigning.add(task)
-            task.add_done_callback(self._assigning.discard)
-            self._event(
-                "assigned", replica, from_tier=Tier.standby, then_tier=then_tier, warm_set=held
-            )
-            return
-        handle = self.backend.launch(spec, options)
-        replica = ManagedReplica(
-            handle,
-            view.key,
-            view.model,
-            version,
-            then_tier=then_tier,
-        )
-        self.replicas[handle.replica_id] = replica
-        self._event("starting", replica, pid=handle.pid, port=handle.port, then_tier=then_tier)
-
-    async def _assign(
-        self, replica: ManagedReplica, spec: VersionSpec, options: LaunchOptions
-    ) -> None:
-        """Give the standby process its version and the deployment's batch policy and
-        threads (it was started with the defaults, before anyone knew its deployment)."""
-        params = options.replica_settings()
-        params |= self.backend.assign_query(replica.handle, spec, options)
-        await self.replica_api.assign(replica.handle, spec, params)
-
     def standby_wanted(self) -> int:
         """The shared standby pool's size: what its asks sized it to, or the standby
         replicas the production versions' autoscalers want together, within its bounds."""
         return self.standby.wanted(self.autoscalers.standby(self.deployments))
 
     def _keep_standby(self) -> None:
-        missing = self.standby_wanted() - len(self.replicas.spares())
-        if missing <= 0:
-            return
-        options = LaunchOptions(reserve_bytes=self._standby_reserve())
-        for _ in range(missing):
-            handle = self.backend.launch(None, options)
-            replica = ManagedReplica(handle, STANDBY_POOL, "", "", tier=Tier.standby)
-            self.replicas[handle.replica_id] = replica
-            self._event("starting", replica, standby=True, pid=handle.pid)
-
-    def _standby_reserve(self) -> int:
-        """The memory a new standby process faults in for the weights it may be given: the
-        largest version served that a standby process can become and that fits in
-        ``standby_reserve_max``, rounded up to whole huge pages; 0 for none."""
-        sizes = [
-            whole_huge_pages(size)
-            for view in self.deployments.values()
-            for version, size in view.sizes.items()
-            if version in view.specs and self.backend.standby_can_run(view.specs[version])
-        ]
-        return max((n for n in sizes if n <= self.standby_reserve_max), default=0)
-
-    async def _drain(self, replica: ManagedReplica, wait_s: float = 30.0) -> None:
-        deadline = time.monotonic() + wait_s
-        rid = replica.handle.replica_id
-        while self.table.inflight_units(rid) > 0 and time.monotonic() < deadline:  # noqa: ASYNC110 - polls a counter the serving side owns
-            await asyncio.sleep(0.05)
-        await asyncio.to_thread(self.backend.stop, replica.handle)
-        self.replicas.pop(rid, None)
-        self.publish()
-        self._event("stopped", replica)
+        """The standby pool topped up to its wanted size (``standby_wanted``)."""
+        self.actions.keep_standby(self.standby_wanted(), self.deployments.values())
 
     # --- routing table ------------------------------------------------------------------
 
     def publish(self) -> None:
         """Publish the routing table (:class:`~ember.serving.routing.RoutingTable`) from the
         replicas (:meth:`~ember.pools.inventory.ReplicaInventory.lanes`). Called after every
-        change of what is routable, so a request never scans the replicas."""
-        self.table.publish(self.replicas.lanes(), tracked=self.replicas.routes())
+        change of what is routable, so a request never scans the replicas
+        (:meth:`~ember.pools.actions.ReplicaActions.publish`, which every action calls)."""
+        self.actions.publish()
 
     def wake(self, key: tuple[int, str], version: str) -> bool:
         """A request wants ``version`` and it has no routable replica: whether a hot one is
@@ -810,7 +492,7 @@ class PoolsController:
             view is None
             or not view.policy.scale_to_zero
             or version not in view.specs
-            or self.failures.get((key, version), 0) >= self.max_restarts
+            or self.actions.failures.get((key, version), 0) >= self.max_restarts
         ):
             return False
         now = time.monotonic()
@@ -838,6 +520,11 @@ class PoolsController:
         return [
             r.public(self.table.inflight_units(r.handle.replica_id)) for r in self.replicas.of(key)
         ]
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """The latest replica events (:meth:`~ember.pools.actions.ReplicaActions.event`)."""
+        return self.actions.events
 
     def autoscaler_of(self, key: tuple[int, str]) -> dict[str, Any]:
         """The production version's autoscaler, shown

@@ -5,8 +5,9 @@ the dashboard ask of them — a version's replicas by state (the
 :class:`~ember.pools.plan.Inventory` a plan counts), the standby pool, and the routing
 table's lanes, which are a function of the replicas alone.
 
-The controller changes the replicas; what is asked of them is here, one pass each, so the
-reconcile loop reads as what it does rather than how it counts.
+The controller's actions (:mod:`~ember.pools.actions`) change the replicas; what is asked
+of them is here, one pass each, so the reconcile loop reads as what it does rather than how
+it counts.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ember.domain.spec import DeploymentKey, ReplicaState, Source, Tier
-from ember.pools.backends.base import ReplicaHandle
+from ember.domain.spec import STANDBY_POOL, DeploymentKey, ReplicaState, Source, Tier
+from ember.pools.backends.base import ObservedReplica, ReplicaHandle
 from ember.pools.plan import Inventory
 from ember.serving.router import Route
 from ember.serving.routing import Lane, LaneKey
@@ -87,6 +88,23 @@ class ManagedReplica:
 
 class ReplicaInventory(dict[str, ManagedReplica]):
     """The tracked replicas by replica id, and what is asked of them."""
+
+    def track(self, observed: list[ObservedReplica], *, prune: bool) -> None:
+        """Track replicas found in the backend (``starting`` until ``/info`` tells their
+        state: a follower's view, or what an elected controller adopts); with ``prune``,
+        forget tracked ones that are no longer there."""
+        seen = set()
+        for o in observed:
+            seen.add(o.handle.replica_id)
+            if o.handle.replica_id not in self:
+                key = DeploymentKey(o.tenant_id, o.deployment) if o.deployment else STANDBY_POOL
+                tier = Tier.standby if key.standby_pool else Tier.hot
+                replica = ManagedReplica(o.handle, key, o.model, o.version, tier=tier)
+                replica.adopted = True
+                self[o.handle.replica_id] = replica
+        if prune:
+            for replica_id in set(self) - seen:
+                self.pop(replica_id)
 
     def of(
         self, key: DeploymentKey | tuple[int, str], version: str | None = None

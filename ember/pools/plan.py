@@ -2,12 +2,14 @@
 
 :func:`~ember.pools.autoscaler.decide` says how many replicas each tier should hold;
 this module says what that means for the replicas there are — how many to start, promote,
-demote and stop — in counts, with no I/O and no clock. The live controller
-(:class:`~ember.pools.controller.PoolsController`) builds a :class:`Inventory` per version
-from its replicas, calls :func:`plan` and carries the :class:`Actions` out (picking which
-replicas: the least loaded, then the newest); the simulator
-(:mod:`ember.pools.simulator`) calls the same function on its counts and carries them
-out on its model of time, so what ``ember simulate`` replays is what runs.
+demote and stop — in counts, with no I/O and no clock. In the live controller
+(:class:`~ember.pools.controller.PoolsController`) its replicas count an :class:`Inventory`
+per version (:meth:`~ember.pools.inventory.ReplicaInventory.inventory`), the controller
+calls :func:`plan`, and its actions carry the :class:`Actions` out
+(:meth:`~ember.pools.actions.ReplicaActions.act`, picking which replicas: the least
+loaded, then the newest); the simulator (:mod:`ember.pools.simulator`) calls the same
+function on its counts and carries them out on its model of time, so what
+``ember simulate`` replays is what runs.
 
 The rules, in the order they apply:
 

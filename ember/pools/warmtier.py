@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Gauge
@@ -30,7 +30,14 @@ from ember.logs import get_logger
 
 if TYPE_CHECKING:
     from ember.config import Settings
-    from ember.pools.controller import PoolsController
+    from ember.domain.spec import DeploymentKey
+    from ember.pools.inventory import ManagedReplica
+    from ember.serving.routing import DeploymentView
+
+    Deployments = Mapping[DeploymentKey, DeploymentView]
+    """The controller's deployments, read from the registry."""
+    Replicas = Mapping[str, ManagedReplica]
+    """The controller's replicas by replica id (its ``ReplicaInventory``)."""
 
 log = get_logger(__name__)
 Key = tuple[tuple[int, str], str]
@@ -75,17 +82,18 @@ class SharedWarmTier:
     def holds(self, model: str, version: str, sha256: str) -> bool:
         return (model, version, sha256) in self.held
 
-    def wanted(self, controller: PoolsController) -> list[CacheKey]:
-        """Routable versions with no ready hot or warm replica, most recently requested
-        first (never requested: last, in the registry's order)."""
+    def wanted(self, deployments: Deployments, replicas: Replicas) -> list[CacheKey]:
+        """Routable versions of ``deployments`` with no ready hot or warm replica among
+        ``replicas``, most recently requested first (never requested: last, in the
+        registry's order)."""
         live = {
             (r.key, r.version)
-            for r in controller.replicas.values()
+            for r in replicas.values()
             if r.state is ReplicaState.ready and r.tier in (Tier.hot, Tier.warm)
         }
         ranked: list[tuple[float, int, CacheKey]] = []
         shards: dict[tuple[str, str, str], int] = {}
-        for key, view in controller.deployments.items():
+        for key, view in deployments.items():
             for version, weight in view.traffic.items():
                 spec = view.specs.get(version)
                 sha256 = spec.sha256 if spec is not None else ""
@@ -98,7 +106,7 @@ class SharedWarmTier:
         self._shards = shards
         return [k for _, _, k in sorted(ranked)]
 
-    def tick(self, controller: PoolsController) -> None:
+    def tick(self, deployments: Deployments, replicas: Replicas) -> None:
         """Start a sync in a thread when one is due and none is running (reading a newly
         held version in takes a buffered read of it; the control loop does not wait)."""
         if self._task is not None:
@@ -110,7 +118,7 @@ class SharedWarmTier:
         if now - self._last < self.every_s:
             return
         self._last = now
-        wanted = self.wanted(controller)
+        wanted = self.wanted(deployments, replicas)
         self._task = asyncio.get_running_loop().create_task(
             asyncio.to_thread(self._sync, wanted), name="ember-warm-set"
         )

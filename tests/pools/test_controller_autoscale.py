@@ -138,7 +138,9 @@ async def _warm_spares() -> None:
         return httpx.Response(404)
 
     ctl, backend = controller(fill_warm=True)
-    ctl.replica_api = ReplicaControl(httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+    ctl.actions.replica_api = ReplicaControl(
+        httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    )
     v = view(min_hot=1, max_replicas=10)
     ctl.deployments = {KEY: v}
     ctl.targets[(KEY, "1")] = TierCounts(hot=1, warm=2)
@@ -159,13 +161,13 @@ async def _warm_spares() -> None:
     assert sum(1 for r in ctl.replicas.values() if r.then_tier == "warm") == 2
     assert len(backend.launched) == 4
 
-    await ctl._check_starting()  # all loaded: the spares are demoted, the others serve
-    await asyncio.gather(*ctl._assigning)
+    await ctl.actions.check_starting()  # all loaded: the spares are demoted, the others serve
+    await asyncio.gather(*ctl.actions._assigning)
     by_tier = sorted((r.tier, r.state, r.route is not None) for r in ctl.replicas.values())
     assert by_tier == [("hot", "ready", True)] * 2 + [("warm", "ready", False)] * 2
     assert len(tiers) == 2 and all('"warm"' in body for _, body in tiers)
     assert len(ctl.promotion.samples[Source.cold]) == 4
-    await ctl.replica_api.aclose()
+    await ctl.actions.replica_api.aclose()
 
 
 def test_without_fill_warm_nothing_is_started_for_the_warm_tier() -> None:
@@ -188,10 +190,10 @@ def test_the_standby_pool_grows_with_the_starts_it_serves_as_the_simulator_sizes
     ctl.standby.spawn_s = [5.0]  # learned: a standby process takes 5 s to be ready
     sim = SharedStandby(StandbyPoolConfig(replenish_s=5.0, minimum=1))
     for _ in range(2):  # two starts within one refill time
-        ctl._standby_asked()
+        ctl.actions._standby_asked()
         sim.take(0.0)
     assert ctl.standby.size == 3 == sim.sizes[-1][1]  # one more than the most asked for
-    ctl._standby_asked()  # a third: the simulator would hold 4, the cap says 3
+    ctl.actions._standby_asked()  # a third: the simulator would hold 4, the cap says 3
     assert ctl.standby.size == 3
     assert [e["size"] for e in ctl.events if e["event"] == "standby_pool"] == [2, 3]
     ctl._keep_standby()
@@ -200,7 +202,7 @@ def test_the_standby_pool_grows_with_the_starts_it_serves_as_the_simulator_sizes
     for floor, most in ((1, None), (0, 4)):
         fixed = PoolsController(None, FakeBackend(), standby_pool=floor, standby_max=most)  # type: ignore[arg-type]
         for _ in range(5):
-            fixed._standby_asked()
+            fixed.actions._standby_asked()
         assert fixed.standby.size == floor
 
 

@@ -82,7 +82,7 @@ async def _replay(fill_warm: bool) -> None:
 
     ok = httpx.MockTransport(lambda request: httpx.Response(200, json={}))
     ctl = PoolsController(None, FakeBackend(), standby_pool=0, fill_warm=fill_warm)  # type: ignore[arg-type]
-    ctl.replica_api = ReplicaControl(httpx.AsyncClient(transport=ok))
+    ctl.actions.replica_api = ReplicaControl(httpx.AsyncClient(transport=ok))
     ctl.deployments = {KEY: view(**POLICY)}
     live = ctl.scaler(KEY, ctl.deployments[KEY], "1")
     live.log_decisions = False
@@ -97,10 +97,10 @@ async def _replay(fill_warm: bool) -> None:
         assert (inv, target, actions) == (step.inventory, step.target, step.actions), step.at
         ctl._carry_out()
         assert ctl.inventory(KEY, "1") == _after(inv, actions), (step.at, inv, actions)
-        await asyncio.gather(*ctl._assigning)
+        await asyncio.gather(*ctl.actions._assigning)
         for name in Actions.__dataclass_fields__:
             seen[name] = seen.get(name, 0) + getattr(actions, name)
-    await ctl.replica_api.aclose()
+    await ctl.actions.replica_api.aclose()
     # The trace made it do everything it can do, not only idle at the floor.
     wanted = {"start_hot", "promote", "demote", "stop_hot", "cancel_hot"} | (
         {"start_warm"} if fill_warm else set()

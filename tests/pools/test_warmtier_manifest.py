@@ -20,9 +20,10 @@ from ember.registry import validation
 pytest.importorskip("torch")
 
 
-def _controller(spec: dict[str, Any]) -> Any:
+def _controller(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The controller's deployments (one, serving ``spec``) and replicas (none)."""
     view = SimpleNamespace(model="mlp", traffic={"1": 100}, specs={"1": VersionSpec(**spec)})
-    return SimpleNamespace(replicas={}, deployments={DeploymentKey(1, "mlp"): view})
+    return {DeploymentKey(1, "mlp"): view}, {}
 
 
 def test_a_directory_version_is_held_shard_by_shard(data_dir: Path) -> None:
@@ -41,7 +42,7 @@ def test_a_directory_version_is_held_shard_by_shard(data_dir: Path) -> None:
     shards = [f for f in facts.files or () if f["path"].endswith(".safetensors")]
     cache = WeightCache.from_settings(settings)
     tier = SharedWarmTier(WarmSet(cache, 10 * 1024**3, lock=False))
-    wanted = tier.wanted(_controller(spec))
+    wanted = tier.wanted(*_controller(spec))
     assert sorted(k.sha256 for k in wanted) == sorted(f["sha256"] for f in shards)
     assert {k.manifest for k in wanted} == {facts.sha256} and {k.tenant for k in wanted} == {1}
     tier.record(tier.warm_set.sync(wanted))
@@ -51,7 +52,7 @@ def test_a_directory_version_is_held_shard_by_shard(data_dir: Path) -> None:
     # A budget that fits some shards but not all: the version is not held warm.
     small = SharedWarmTier(WarmSet(cache, max(f["size"] for f in shards), lock=False))
     tier.warm_set.close()
-    wanted = small.wanted(_controller(spec))
+    wanted = small.wanted(*_controller(spec))
     small.record(small.warm_set.sync(wanted))
     assert small.warm_set.held and not small.holds("mlp", "1", facts.sha256)
     small.warm_set.close()
