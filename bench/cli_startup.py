@@ -7,8 +7,12 @@ accounting of the finished child). A bare interpreter (``python -c pass``) is ti
 same way: the floor no command can go under, and a gauge of how loaded the machine is.
 By default the interpreter may cache bytecode (in a temporary ``PYTHONPYCACHEPREFIX``,
 as an installed package has its ``.pyc`` files); ``--no-bytecode-cache`` compiles every
-module on every run, as a checkout with ``PYTHONDONTWRITEBYTECODE`` does. The modules
-that cost ``ember --help`` most come from ``python -X importtime``.
+module on every run, the standard library's too (and so does the floor): the image's
+case, whose packages ``uv`` installs without bytecode under ``PYTHONDONTWRITEBYTECODE``,
+plus the standard library. ``PYTHONDONTWRITEBYTECODE`` alone would not do it: it stops
+the writing of ``.pyc`` files, but any ``__pycache__`` beside the sources (the
+checkout's, site-packages') is still read; the prefix is an empty directory then. The
+modules that cost ``ember --help`` most come from ``python -X importtime``.
 
 Medians, min and max in a table; the last line is one JSON object with the medians.
 
@@ -118,11 +122,11 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="ember-cli-bench-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("EMBER_")}
     env["COLUMNS"] = "120"
+    env["PYTHONPYCACHEPREFIX"] = str(work / "pycache")
     if args.no_bytecode_cache:
         env["PYTHONDONTWRITEBYTECODE"] = "1"
     else:
         env.pop("PYTHONDONTWRITEBYTECODE", None)
-        env["PYTHONPYCACHEPREFIX"] = str(work / "pycache")
     proc = None
     try:
         results = {

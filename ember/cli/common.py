@@ -1,7 +1,7 @@
 """What the command modules share: the consoles, settings, errors, the API client, output.
 
-Kept light: ``ember --help`` imports every command module (typer builds the whole tree to
-print it), so a module here imports at its top only typer, rich's console and
+Kept light: ``ember --help`` imports every command module (to read their help; see
+``ember.cli``), so a module here imports at its top only typer, rich's console and
 ``ember.errors``; anything heavier (the registry, SQLAlchemy, the autoscaler, torch, boto3,
 even httpx and the settings) is imported inside the command that uses it.
 """

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import time
@@ -197,6 +196,8 @@ def jobs_result(
 ) -> None:
     """A succeeded job's result JSON (inline or from the object store), checked against
     its sha256."""
+    import hashlib  # OpenSSL's bindings: not on the way of ``ember --help``
+
     with friendly_errors():
         response = client().download(f"/v1/jobs/{job_id}/result")
         digest = hashlib.sha256(response.content).hexdigest()
