@@ -3,7 +3,6 @@ calibrate`` (fit a version's cost model)."""
 
 from __future__ import annotations
 
-import gc
 import ipaddress
 import json
 import os
@@ -126,32 +125,27 @@ def _serve_replica(
     reserve_bytes: int = 0,
     secret: str | None = None,
 ) -> None:
-    # No cyclic GC while the runtime is imported: its full collections walked the modules
-    # imported so far, again and again (four of them, ~340 ms of a CPU replica's start on
-    # one core); the one collection before the freeze below is enough.
-    gc.disable()
-    import uvicorn
+    from ember.engine.heap import frozen_after
 
-    from ember.domain.spec import BatchPolicy, VersionSpec
-    from ember.engine.replica import Replica
-    from ember.engine.server import create_replica_app
-    from ember.engine.threads import apply_thread_limits
-    from ember.logs import bind_process, configure_logging, get_logger
+    # Everything imported before serving lives as long as the process: imported with the
+    # cyclic GC off, then frozen (ember.engine.heap), so that a collection during a weight
+    # load or a request walks only what was made since.
+    with frozen_after():
+        import uvicorn
 
-    configure_logging(settings.log_level, settings.log_format)
-    import torch  # noqa: F401 - the runtime is imported before serving (standby = warm imports)
+        from ember.domain.spec import BatchPolicy, VersionSpec
+        from ember.engine.replica import Replica
+        from ember.engine.server import create_replica_app
+        from ember.engine.threads import apply_thread_limits
+        from ember.logs import bind_process, configure_logging, get_logger
 
-    apply_thread_limits(budget)
-    spec = VersionSpec.model_validate(raw) if raw is not None else None
-    if spec is None:
-        _preimport_engines()
-    # Everything imported so far lives as long as the process: move it out of the cyclic
-    # GC's view, so that a full collection during a weight load or a request walks only
-    # what was made since (measured: a gen-2 pass over torch's objects cost 0.15 s of a
-    # 1.7 s load of 2.4 GB).
-    gc.collect()
-    gc.freeze()
-    gc.enable()
+        configure_logging(settings.log_level, settings.log_format)
+        import torch  # noqa: F401 - the runtime, before serving (standby = warm imports)
+
+        apply_thread_limits(budget)
+        spec = VersionSpec.model_validate(raw) if raw is not None else None
+        if spec is None:
+            _preimport_engines()
     if spec is None and reserve_bytes and device == "cpu":
         from ember.loader.pagecache import RESERVE
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import time
 import uuid
@@ -14,6 +13,7 @@ from typing import Any
 from ember.config import Settings
 from ember.domain.spec import BatchPolicy, Priority, Tier, VersionSpec
 from ember.engine.base import Engine, engine_class
+from ember.engine.heap import frozen_after, gc_state
 from ember.engine.metrics import EngineMetrics
 from ember.engine.privileges import drop_to, tenant_home
 from ember.engine.scheduler import Scheduler
@@ -95,13 +95,9 @@ class Replica:
         bind_process(model=spec.model, version=spec.version)
         self.metrics = EngineMetrics(spec.model, spec.version)
         started = time.perf_counter()
-        # No cyclic GC while the engine loads: its full collections walked the objects the
-        # load keeps making, again and again (minilm on one core: eight of them, 30-240 ms
-        # each, ~0.85 s of the start). One collection after it frees what it left as
-        # garbage; then what stays is frozen (below).
-        gc.disable()
         try:
-            self.engine = await asyncio.to_thread(self._build, spec)
+            with frozen_after():  # the engine's objects live as long as the replica
+                self.engine = await asyncio.to_thread(self._build, spec)
         except EmberError as exc:
             self.state, self.failure = "failed", f"{exc.title}: {exc.detail}"
             log.error("load failed", reason=self.failure)
@@ -110,14 +106,6 @@ class Replica:
             self.state, self.failure = "failed", f"{type(exc).__name__}: {exc}"
             log.exception("load failed")
             return
-        finally:
-            gc.collect()
-            gc.enable()
-        # The engine's objects (its model, the modules its load imported) live as long as the
-        # replica: out of the cyclic GC's view with them, or every full collection walks
-        # them while requests wait (measured on minilm, one core: 130-160 ms a collection
-        # with the model loaded after the start's freeze, none after this one).
-        gc.freeze()
         self.load_seconds = time.perf_counter() - started
         self.scheduler = Scheduler(self.engine, self.policy, self.metrics)
         self.scheduler.start()
@@ -210,6 +198,7 @@ class Replica:
             "policy": self.policy.model_dump(),
             "threads": self.threads,
             "reserve": {"bytes": RESERVE.nbytes, "ready": RESERVE.ready},
+            "gc": gc_state(),
         }
 
     async def close(self) -> None:

@@ -210,3 +210,26 @@ def test_a_corrupt_artifact_fails_the_replica_clearly(
     assert info["state"] == "failed" and "sha256" in info["failure"].lower()
     assert httpx.get(f"{engine.url}/healthz").status_code == 503
     assert infer(engine.url).status_code == 503
+
+
+def test_what_a_replica_keeps_is_frozen_out_of_the_gc(
+    start_engine: StartEngine, mlp_spec: dict[str, Any]
+) -> None:
+    """The runtime imported at the start and the engine an assignment loads are frozen (no
+    later full collection walks them, ember.engine.heap), and the GC runs again after each
+    phase — also after a load that failed."""
+    engine = start_engine(None)
+    started = httpx.get(f"{engine.url}/info").json()["gc"]
+    assert started["enabled"] and started["frozen"] > 0, started
+    assigned = httpx.post(f"{engine.url}/assign", json=mlp_spec, timeout=60)
+    assert assigned.status_code == 200, assigned.text
+    loaded = assigned.json()["gc"]
+    assert loaded["enabled"], loaded
+    assert loaded["frozen"] > started["frozen"], (started, loaded)  # the model's objects
+
+    broken = start_engine(None)
+    wrong = mlp_spec | {"sha256": "0" * 64}  # the load refuses the artifact
+    httpx.post(f"{broken.url}/assign", json=wrong, timeout=60)
+    info = httpx.get(f"{broken.url}/info").json()
+    assert info["state"] == "failed", info
+    assert info["gc"]["enabled"], info
