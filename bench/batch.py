@@ -71,7 +71,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.jobs import EMBER, spawn, start_redis, stop  # noqa: E402
-from tests.services import free_port, wait_until  # noqa: E402
+from tests.services import free_port, replica_secret_headers, wait_until  # noqa: E402
 
 KEY = "ek_bench-batch-admin-key-0123456789"
 X = [0.5] * 256
@@ -133,12 +133,15 @@ def tensor(batch: int) -> tuple[bytes, dict[str, str]]:
     return body.data, headers | {"Accept": MEDIA_TYPE}
 
 
-def engine_max(url: str, batch: int, streams: int, calls: int, binary: bool) -> float:
+def engine_max(url: str, pid: int, batch: int, streams: int, calls: int, binary: bool) -> float:
+    """Rows/s of full batches posted straight to the replica at ``url`` (process ``pid``,
+    whose secret authenticates the calls)."""
     if binary:
         content, headers = tensor(batch)
     else:
         content = json.dumps({"instances": [X] * batch, "priority": "batch"}).encode()
         headers = {"Content-Type": "application/json"}
+    headers |= replica_secret_headers(pid)
 
     def stream(_: int) -> int:
         with httpx.Client(base_url=url, timeout=120) as http:
@@ -269,25 +272,25 @@ def main() -> None:
         row_by_row(client, first, 20)  # warm-up
         rr = row_by_row(client, first, args.row_calls)
         calls = max(10, args.rows // args.batch // 4)
-        engine_max(replica, args.batch, args.streams, 5, binary=False)  # warm-up
+        engine_max(replica, replica_pid, args.batch, args.streams, 5, binary=False)  # warm-up
         before = meter.snapshot()
-        em_json = engine_max(replica, args.batch, args.streams, calls, binary=False)
+        em_json = engine_max(replica, replica_pid, args.batch, args.streams, calls, binary=False)
         cpu["engine max, JSON"] = meter.per_krows(before, calls * args.streams * args.batch)
-        engine_max(replica, args.batch, args.streams, 5, binary=True)  # warm-up
+        engine_max(replica, replica_pid, args.batch, args.streams, 5, binary=True)  # warm-up
         before = meter.snapshot()
-        em_default = engine_max(replica, args.batch, args.streams, calls, binary=True)
+        em_default = engine_max(replica, replica_pid, args.batch, args.streams, calls, binary=True)
         cpu["engine max, tensor"] = meter.per_krows(before, calls * args.streams * args.batch)
         if args.batch_threads:
             client.delete(f"/v1/deployments/{first}").raise_for_status()
             wait_until(lambda: not Path(f"/proc/{replica_pid}").exists(), 60, "its replica's end")
             replica, replica_pid = deploy("mlp", args.batch_threads)
             meter.roles["replica"] = [replica_pid]
-            engine_max(replica, args.batch, args.streams, 5, binary=True)  # warm-up
+            engine_max(replica, replica_pid, args.batch, args.streams, 5, binary=True)  # warm-up
         before = meter.snapshot()
         gm, gateway_rows = gateway_max(client, args.batch, calls)
         cpu["gateway max"] = meter.per_krows(before, gateway_rows)
         before = meter.snapshot()
-        em_binary = engine_max(replica, args.batch, args.streams, calls, binary=True)
+        em_binary = engine_max(replica, replica_pid, args.batch, args.streams, calls, binary=True)
         cpu[f"engine max, {args.batch_threads or 'default'} thr"] = meter.per_krows(
             before, calls * args.streams * args.batch
         )
@@ -327,7 +330,7 @@ def main() -> None:
         cpu["batch run"] = meter.per_krows(before, args.rows)
         # The engine max again, after the batch run: this machine's speed drifts by tens of
         # per cent within minutes, so the batch run is compared with the mean of the two.
-        em_after = engine_max(replica, args.batch, args.streams, calls, binary=True)
+        em_after = engine_max(replica, replica_pid, args.batch, args.streams, calls, binary=True)
         em_binary_mean = (em_binary + em_after) / 2
         em = max(em_json, em_default, em_binary_mean)
     finally:

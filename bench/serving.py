@@ -98,7 +98,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.services import free_port  # noqa: E402
+from tests.services import free_port, replica_secret_headers  # noqa: E402
 
 PEERS_DIR = ROOT / "bench" / "peers"
 KEY = "ek_bench-serving-admin-key-0123456789"
@@ -1237,7 +1237,7 @@ def replica_counters(started: Started) -> tuple[float, float] | None:
         return None
     try:
         ready = started.extra["replicas"]()
-        auth = replica_auth(ready[0]["pid"])
+        auth = replica_secret_headers(ready[0]["pid"])
         text = httpx.get(f"{ready[0]['url']}/metrics", headers=auth, timeout=10).text
     except (httpx.HTTPError, IndexError, KeyError):
         return None
@@ -1266,20 +1266,6 @@ def ember_split(started: Started, w: Window) -> dict[str, Any]:
     return {"cpu_api_share": api / total, "cpu_replica_share": rep / total}
 
 
-def replica_auth(pid: int | None) -> dict[str, str]:
-    """The replica API's secret header, read from the replica's environment as the API's
-    user may (``/proc/<pid>/environ``): the bench calls the replica directly."""
-    from ember.domain.spec import REPLICA_SECRET_ENV, REPLICA_SECRET_HEADER
-
-    if pid is None:
-        return {}
-    prefix = REPLICA_SECRET_ENV.encode() + b"="
-    for entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-        if entry.startswith(prefix):
-            return {REPLICA_SECRET_HEADER: entry[len(prefix) :].decode()}
-    return {}
-
-
 def ember_extras(started: Started, ctx: Ctx, bodies: list[bytes], work: Path) -> dict[str, Any]:
     """The replica alone (wrk on /infer) and the gateway overhead (interleaved rounds)."""
     args = ctx.args
@@ -1289,7 +1275,7 @@ def ember_extras(started: Started, ctx: Ctx, bodies: list[bytes], work: Path) ->
     replica = f"{ready[0]['url']}/infer"
     direct = [_json({"instances": [s]}) for s in SENTENCES]
     gateway_h = {"Content-Type": "application/json"} | started.headers
-    json_h = {"Content-Type": "application/json"} | replica_auth(ready[0]["pid"])
+    json_h = {"Content-Type": "application/json"} | replica_secret_headers(ready[0]["pid"])
     out: dict[str, Any] = {}
     counters = replica_counters(started)
     with Window(started.tag, started.proc.pid) as w:

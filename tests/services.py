@@ -182,3 +182,21 @@ def background_job(name: str, timeout_s: float = 1800) -> tuple[int, str] | None
             raise RuntimeError(f"background job {name} still running after {timeout_s}s")
         time.sleep(1)
     return int(rc_file.read_text().strip()), log_file.read_text()
+
+
+def process_environ(pid: int) -> dict[str, str]:
+    """The environment process ``pid`` was started with (``/proc/<pid>/environ``, as the
+    API's user may read a replica's)."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    pairs = (e.split(b"=", 1) for e in raw.split(b"\0") if b"=" in e)
+    return {k.decode(): v.decode() for k, v in pairs}
+
+
+def replica_secret_headers(pid: int | None) -> dict[str, str]:
+    """The header that authenticates a call to a live replica's API: its secret, read from
+    its environment (tests and benches that call a replica directly)."""
+    from ember.domain.spec import REPLICA_SECRET_ENV, replica_auth
+
+    if pid is None:
+        return {}
+    return replica_auth(process_environ(pid).get(REPLICA_SECRET_ENV, ""))

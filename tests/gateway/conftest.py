@@ -17,6 +17,7 @@ from ember.config import Settings
 from ember.engine.examples.mlp import INPUT_SCHEMA, build_mlp_artifact, build_slow_mlp_artifact
 from tests import services
 from tests.api.conftest import ADMIN_KEY
+from tests.services import replica_secret_headers
 
 X = [0.5] * 256
 
@@ -104,21 +105,9 @@ def deploy(live: Live, model: str, version: str = "1", **policy: Any) -> None:
     live.wait(lambda: len(live.ready(model)) >= want, f"{want} ready replicas of {model}")
 
 
-def process_environ(pid: int) -> dict[str, str]:
-    """The environment process ``pid`` was started with (``/proc/<pid>/environ``, as the
-    API's user may read a replica's)."""
-    raw = Path(f"/proc/{pid}/environ").read_bytes()
-    pairs = (e.split(b"=", 1) for e in raw.split(b"\0") if b"=" in e)
-    return {k.decode(): v.decode() for k, v in pairs}
-
-
 def replica_auth(replica: dict[str, Any]) -> dict[str, str]:
-    """The header that authenticates a call to a live replica's API (its secret, read from
-    its environment)."""
-    from ember.domain.spec import REPLICA_SECRET_ENV
-    from ember.domain.spec import replica_auth as auth
-
-    return auth(process_environ(replica["pid"]).get(REPLICA_SECRET_ENV, ""))
+    """The header that authenticates a call to a live replica's API."""
+    return replica_secret_headers(replica["pid"])
 
 
 def since(t0: float) -> float:

@@ -27,8 +27,9 @@ from ember.pools.backends.base import LaunchOptions, ReplicaHandle
 from ember.pools.backends.local import LocalProcessBackend, gpus_asked
 from ember.registry.schemas import Placement
 from tests import services
-from tests.gateway.conftest import Live, deploy, live_api, process_environ
+from tests.gateway.conftest import Live, deploy, live_api
 from tests.pools.test_gpus import MACHINE
+from tests.services import process_environ
 
 SPEC = VersionSpec(
     model="m",

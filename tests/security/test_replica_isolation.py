@@ -33,7 +33,8 @@ from ember.pools.backends.base import ReplicaHandle
 from ember.pools.backends.local import replica_environ
 from tests import services
 from tests.api.conftest import ADMIN_KEY
-from tests.gateway.conftest import Live, deploy, live_api, process_environ, replica_auth
+from tests.gateway.conftest import Live, deploy, live_api, replica_auth
+from tests.services import process_environ
 
 REDIS_URL = "redis://:hunter2-redis@127.0.0.1:6390/0"  # never reached: the API tolerates it
 JOBS_KEY = "ek_jobs-key-that-must-stay-in-the-api"
