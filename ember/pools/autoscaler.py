@@ -30,7 +30,9 @@ How ``decide`` works, all in model units per second:
    (``warm_cost``, ``standby_cost``; with dedicated GPUs both are 1) is not used as a
    buffer -- the faster tier covers its horizon, and no spares are kept in it.
 3. Hot replicas = the hot stage's forecast over ``capacity x target_utilization``. A
-   **queue** adds what drains it within ``drain_s`` while arrivals go on at the forecast
+   **queue** adds what drains it within ``drain_s`` (or ``drain_per_promotion`` of the
+   time the capacity takes to come, if longer: a start that arrives after the queue has
+   gone is a promotion's device time for nothing) while arrivals go on at the forecast
    (hot headroom that already does so adds nothing); async jobs drain within
    ``async_drain_s``. **Panic** when the queue grows while demand exceeds hot capacity:
    size for the last tick's demand and the queue at full utilization and never scale
@@ -41,7 +43,10 @@ How ``decide`` works, all in model units per second:
    after the last request for a model without a hot floor, and **one tier at a time**: a
    hot replica becomes warm, stays warm for ``warm_keep_s``, then standby until
    ``standby_keep_s`` (by default no longer: the standby tier is the shared pool), then
-   goes. Scale-up is at once.
+   goes. Scale-up is at once. Each of these holds lasts at least ``release_hold``
+   promotion times of where a released hot replica comes back from (ski rental: where
+   that is a 120 s cold start, with no cheaper tier to keep it in, a replica stays hot
+   for 10 min after it was last needed; where it is a 2 s warm promotion, 10 s).
 5. **Warm buffer, burst-aware** (where warm is worth its cost): hot + warm cover the warm
    stage; while the model is in use they also carry the largest single-tick demand of the
    recent past (``surge``, forgotten over ``surge_decay_s``) at full utilization, so a
@@ -232,6 +237,9 @@ class EmberConfig:
     """Weight of the newest period in a profile bin (EWMA across days / weeks)."""
     drain_s: float = 1.0
     """Extra hot capacity drains the queue within this (the SLO is a wait of seconds)."""
+    drain_per_promotion: float = 0.1
+    """... and within no less than this fraction of the time the capacity takes to come
+    (a start that arrives after the queue has gone costs a promotion's device time)."""
     async_drain_s: float = 60.0
     """... and the async job backlog within this."""
     panic_hold_s: float = 1.0
@@ -244,6 +252,15 @@ class EmberConfig:
     in one promotion if the queue does)."""
     idle_hold_s: float = 10.0
     """No arrivals for this long: drop to the ``min_hot`` floor (hot -> warm)."""
+    release_hold: float = 5.0
+    """Every hold above (``stabilization_s``, ``burst_hold_s``, ``idle_hold_s``) lasts at
+    least this many times the promotion time a released hot replica takes to come back
+    (from warm where warm is used, else standby, else a cold start). Ski rental: holding an
+    idle replica for one promotion time costs what its return does, and where that time is
+    over the SLO a release the demand undoes is a burst of misses. With dedicated GPUs
+    (cold 120 s, no cheaper tier) capacity stays 10 min; where warm promotes in 2 s, 10 s.
+    (``bench/autoscale.py``, Azure ``code``: 2 -> 5 took gpu-dedicated from 18 % to 6 %
+    over the SLO, gpu-shared from 5.3 % to 3.5 %; dense m-large paid ~7 % more hot.)"""
     warm_keep_s: float = 600.0
     """Replicas recommended in this window stay warm; a model that opted out of the hot
     floor keeps its warm floor this long after its last request (or while its profile
@@ -566,8 +583,9 @@ def decide(
         for s in stages
     ]
     hot_stage = stages[0]
+    holds = _Holds.of(obs, cfg)
     base, want, panic_until, idle = _hot_wanted(
-        obs, state, fc, cfg, now, hot_stage, last_arrival, reasons
+        obs, state, fc, cfg, now, hot_stage, last_arrival, holds, reasons
     )
     if idle:
         stages = tuple(replace(s, replicas=0) for s in stages)  # type: ignore[assignment]
@@ -576,11 +594,11 @@ def decide(
     # added for a queue or a panic goes back to warm after the short burst hold (it comes
     # back in one warm promotion if needed).
     recent = _push_max(state.recent, now, base, cfg.standby_keep_s)
-    bursts = _push_max(state.bursts, now, want, cfg.burst_hold_s)
-    held = _max_since(recent, now - cfg.stabilization_s)
-    hot = want if idle else max(want, held, _max_since(bursts, now - cfg.burst_hold_s))
+    bursts = _push_max(state.bursts, now, want, holds.burst_s)
+    held = _max_since(recent, now - holds.stabilization_s)
+    hot = want if idle else max(want, held, _max_since(bursts, now - holds.burst_s))
     if hot > want:
-        reasons.append(f"stabilizing: {hot} hot (most in the last {cfg.stabilization_s:g}s)")
+        reasons.append(f"stabilizing: {hot} hot (most in the last {holds.stabilization_s:g}s)")
     if idle:
         reasons.append(f"idle {now - last_arrival:.0f}s: hot -> warm down to the floor")
     if hot < cfg.min_hot:
@@ -613,6 +631,31 @@ def decide(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _Holds:
+    """The holds in force: each window, and the queue's drain time, no shorter than what
+    bringing capacity back costs (``EmberConfig.release_hold``)."""
+
+    stabilization_s: float
+    burst_s: float
+    idle_s: float
+    drain_s: float
+
+    @classmethod
+    def of(cls, obs: Observation, cfg: EmberConfig) -> _Holds:
+        p = obs.promotion
+        back = p.warm_s if cfg.uses_warm else p.standby_s if cfg.uses_standby else p.cold_s
+        floor = cfg.release_hold * back
+        # A queue is drained by capacity from where hot is filled now: a drain asked for
+        # quicker than that starts replicas that arrive after the queue has gone.
+        return cls(
+            max(cfg.stabilization_s, floor),
+            max(cfg.burst_hold_s, floor),
+            max(cfg.idle_hold_s, floor),
+            max(cfg.drain_s, cfg.drain_per_promotion * p.of(_source_tier(obs))),
+        )
+
+
 def _hot_wanted(
     obs: Observation,
     state: EmberState,
@@ -621,6 +664,7 @@ def _hot_wanted(
     now: float,
     stage: Stage,
     last_arrival: float,
+    holds: _Holds,
     reasons: list[str],
 ) -> tuple[int, int, float, bool]:
     """(hot for sustained demand, hot wanted now, panic until, idle): the hot stage, the
@@ -629,7 +673,7 @@ def _hot_wanted(
     forecast = stage.forecast_units_per_s
     guard = fc.envelope * cfg.burst_guard
     cap = max(obs.capacity_units_per_s, _EPS)
-    drain = obs.queued_units / cfg.drain_s + obs.async_queued_units / cfg.async_drain_s
+    drain = obs.queued_units / holds.drain_s + obs.async_queued_units / cfg.async_drain_s
     base = want = stage.replicas
     if _ceil(guard / cap) > want:
         want = _ceil(guard / cap)
@@ -655,7 +699,7 @@ def _hot_wanted(
         want = max(want, _ceil((demand + drain) / cap), hot_now)
         reasons.append(f"panic until +{panic_until - now:.0f}s: no scale-down -> {want}")
     queued = obs.queued_units + obs.async_queued_units
-    idle = now - last_arrival >= cfg.idle_hold_s and queued <= _EPS
+    idle = now - last_arrival >= holds.idle_s and queued <= _EPS
     if idle:
         base = want = 0
     return base, want, panic_until, idle
