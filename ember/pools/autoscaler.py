@@ -329,6 +329,14 @@ class EmberConfig:
         return self.standby_cost < (self.warm_cost if self.uses_warm else 1.0) - _EPS
 
     @property
+    def below_hot(self) -> Source:
+        """Where a released hot replica goes, and comes back from: the next tier below hot
+        worth its cost (a cold start where neither is)."""
+        if self.uses_warm:
+            return Source.warm
+        return Source.standby if self.uses_standby else Source.cold
+
+    @property
     def warm_floor(self) -> int:
         if self.min_warm is not None:
             return self.min_warm
@@ -549,7 +557,7 @@ def _stages(
     least as far ahead as the tier it would actually promote from now."""
     p = obs.promotion
     below_warm = Source.standby if cfg.uses_standby else Source.cold
-    below_hot = Source.warm if cfg.uses_warm else below_warm
+    below_hot = cfg.below_hot
     source = _source_tier(obs)
     hot_from = source if p.of(source) > p.of(below_hot) else below_hot
     per = max(obs.capacity_units_per_s, _EPS) * cfg.target_utilization
@@ -644,8 +652,7 @@ class _Holds:
     @classmethod
     def of(cls, obs: Observation, cfg: EmberConfig) -> _Holds:
         p = obs.promotion
-        back = p.warm_s if cfg.uses_warm else p.standby_s if cfg.uses_standby else p.cold_s
-        floor = cfg.release_hold * back
+        floor = cfg.release_hold * p.of(cfg.below_hot)
         # A queue is drained by capacity from where hot is filled now: a drain asked for
         # quicker than that starts replicas that arrive after the queue has gone.
         return cls(

@@ -251,3 +251,28 @@ def test_the_burst_guard_follows_its_own_decay_not_the_stabilization_window() ->
     # 35 s after, not 60 -- plus the release hold: 5 warm promotions (2 s) = 10 s.
     assert after[44].desired.hot <= 2 < burst[-1].desired.hot
     assert after[-1].desired.hot == 1
+
+
+def test_capacity_is_held_for_as_long_as_bringing_it_back_costs() -> None:
+    # Dedicated GPUs: warm and standby cost what hot does, so a released hot replica comes
+    # back only by a cold start (30 s here). When arrivals stop, the busy replicas stay
+    # hot for release_hold cold starts (5 x 30 = 150 s), not the idle hold (10 s): a
+    # release the next request undoes is a cold start's misses.
+    dedicated = EmberConfig(max_replicas=50, warm_cost=1.0, standby_cost=1.0)
+    assert dedicated.below_hot.value == "cold"
+    busy = run(dedicated, [20.0] * 600)
+    hot = busy[-1].desired.hot
+    assert hot >= 4
+    quiet = run(dedicated, [0.0] * 200, t0=600.0, state=busy[-1].state)
+    assert min(d.desired.hot for d in quiet[:140]) == hot  # held through 140 s of silence
+    assert quiet[-1].desired.hot == 1  # then down to the floor
+    assert any(r.startswith("idle") for r in quiet[-1].reasons)
+    # Without the release hold the idle rule drops it 10 s after the last request.
+    eager = replace(dedicated, release_hold=0.0)
+    quiet = run(eager, [0.0] * 20, t0=600.0, state=run(eager, [20.0] * 600)[-1].state)
+    assert quiet[-1].desired.hot == 1
+    # Where warm is cheap it comes back in one warm promotion (2 s): the hold is 10 s.
+    shared = EmberConfig(max_replicas=50)
+    assert shared.below_hot.value == "warm"
+    quiet = run(shared, [0.0] * 20, t0=600.0, state=run(shared, [20.0] * 600)[-1].state)
+    assert quiet[-1].desired.hot == 1
