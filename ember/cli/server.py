@@ -78,6 +78,7 @@ def _run_api(
     import uvicorn
 
     from ember.api.app import create_app, prepare
+    from ember.config import SWITCH_INTERVAL_S
 
     engine, generated = prepared or prepare(settings)
     url = f"http://{settings.host}:{settings.port}"
@@ -91,5 +92,8 @@ def _run_api(
         print("admin API key: the one printed on first start (or `ember keys create --local`)")
     sys.stdout.flush()
     api = create_app(settings, engine, freeze_gc=True)
+    # The event loop must not wait 5 ms for the GIL behind a thread's pure Python
+    # (the prediction log's digests, the controller's registry reads): SWITCH_INTERVAL_S.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     uvicorn.run(api, host=settings.host, port=settings.port, log_config=None, access_log=False,
                 reload=reload)  # fmt: skip

@@ -33,7 +33,7 @@ from sqlalchemy import Engine
 from sqlmodel import Session, col, select
 
 from ember import tracing
-from ember.config import Settings
+from ember.config import SWITCH_INTERVAL_S, Settings
 from ember.errors import InvalidInput
 from ember.jobs import webhooks
 from ember.jobs.queue import RUN_TASK, WEBHOOK_TASK, Publisher
@@ -49,8 +49,6 @@ from ember.work.process import Supervisor, wait_for_schema, watch_parent
 from ember.work.queue import QUEUE, make_celery
 
 log = get_logger(__name__)
-SWITCH_INTERVAL_S = 0.001
-"""The worker's GIL switch interval (Python's default is 5 ms)."""
 UP_WORKER_KEY = "ember-up-worker"
 
 

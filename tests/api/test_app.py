@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import pytest
 
 from ember.api.app import create_app
 from ember.cli import server as cli
-from ember.config import Settings
+from ember.config import SWITCH_INTERVAL_S, Settings
 from tests import services
 from tests.api.conftest import ADMIN_KEY
 
@@ -40,7 +41,17 @@ def test_ember_serve_asks_for_the_freeze(data_dir: Path, monkeypatch: pytest.Mon
         made.append(kwargs)
         return create_app(*args, **kwargs)
 
+    serving_with: list[float] = []
     monkeypatch.setattr(ember.api.app, "create_app", recording)
-    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
-    cli._run_api(Settings(data_dir=data_dir, admin_key=ADMIN_KEY), reload=False)  # type: ignore[arg-type]
+    monkeypatch.setattr(
+        uvicorn, "run", lambda *a, **k: serving_with.append(sys.getswitchinterval())
+    )
+    default = sys.getswitchinterval()
+    try:
+        cli._run_api(Settings(data_dir=data_dir, admin_key=ADMIN_KEY), reload=False)  # type: ignore[arg-type]
+    finally:
+        sys.setswitchinterval(default)
     assert made == [{"freeze_gc": True}]
+    # the event loop waits at most 1 ms for the GIL behind the API's threads, not 5
+    assert serving_with == [pytest.approx(SWITCH_INTERVAL_S)]
+    assert default > SWITCH_INTERVAL_S
