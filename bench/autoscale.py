@@ -126,11 +126,14 @@ def deployment(scenario: str, policy: str) -> Deployment:
     return dep
 
 
-Job = tuple[str, str, str, list[SimResult], SharedStandby | None, float, dict[str, float]]
+Job = tuple[str, str, str, dict[str, float], str, float]
+"""What a worker sends back: (profile, scenario, policy, the row, the ``--detail`` text,
+seconds). Only figures: the per-request arrays stay in the worker (over the whole dense
+trace they were ~19 GiB in the parent for every policy and profile at once)."""
 
 
-def _job(args: tuple[str, str, str]) -> Job:
-    profile, scenario, policy = args
+def _job(args: tuple[str, str, str, bool]) -> Job:
+    profile, scenario, policy, with_detail = args
     t0 = time.perf_counter()
     sim = sim_config(profile)
     dep = deployment(scenario, policy)
@@ -146,7 +149,23 @@ def _job(args: tuple[str, str, str]) -> Job:
         results, pool = [run_policy(policy, traces[0], dep, sim)], None
     else:
         results, pool = run_catalogue(policy, traces, dep, sim)
-    return profile, scenario, policy, results, pool, time.perf_counter() - t0, extra
+    row = summarize(results, policy, PROFILES[profile].tier_cost, pool) | extra
+    text = f"[{profile}]" + detail(scenario, policy, results) if with_detail else ""
+    return profile, scenario, policy, row, text, time.perf_counter() - t0
+
+
+def summarize(
+    results: list[SimResult], policy: str, tc: Any, spool: SharedStandby | None
+) -> dict[str, float]:
+    """One policy's row: its run's summary, or a catalogue's (its standby tier one shared
+    pool, for policies that have one)."""
+    if len(results) == 1:
+        return results[0].summary()
+    return catalogue(results, policy, tc, spool).summary() | {
+        "standby_pool": float(spool.largest if spool else 0),
+        "standby_asked": float(len(spool.taken_s) + len(spool.empty_s) if spool else 0),
+        "standby_empty": float(len(spool.empty_s) if spool else 0),
+    }
 
 
 def step_figures(r: SimResult, history: list[Any], sim: SimConfig) -> dict[str, float]:
@@ -221,7 +240,7 @@ def main() -> None:
     load(args.traces_dir, scenarios, days)
     t_load = time.perf_counter() - t0
     jobs = [
-        (prof, s, p)
+        (prof, s, p, args.detail)
         for s in scenarios
         for prof in SCENARIO_PROFILES[s]
         if prof in profiles
@@ -233,29 +252,19 @@ def main() -> None:
     with mp.get_context("fork").Pool(args.processes) as pool:
         done = pool.map(_job, jobs, chunksize=1)
     rows: Rows = {}
-    per_trace: dict[tuple[str, str, str], list[SimResult]] = {}
+    details: list[str] = []
     secs: dict[str, float] = {}
-    for profile, scenario, policy, results, spool, sec, extra in done:
-        tc = PROFILES[profile].tier_cost
-        if len(results) == 1:
-            row = results[0].summary() | extra
-        else:  # a catalogue, its standby tier one shared pool (for policies that have one)
-            row = catalogue(results, policy, tc, spool).summary() | {
-                "standby_pool": float(spool.largest if spool else 0),
-                "standby_asked": float(len(spool.taken_s) + len(spool.empty_s) if spool else 0),
-                "standby_empty": float(len(spool.empty_s) if spool else 0),
-            }
+    for profile, scenario, policy, row, text, sec in done:
         rows.setdefault(profile, {}).setdefault(scenario, {})[policy] = row
-        per_trace[(profile, scenario, policy)] = results
+        details.append(text)
         secs[f"{profile}/{scenario}/{policy}"] = round(sec, 1)
     order = {p: i for i, p in enumerate(DENSE_POLICIES)}
     for by_scenario in rows.values():
         for sc, r in by_scenario.items():
             by_scenario[sc] = dict(sorted(r.items(), key=lambda kv: order.get(kv[0], 99)))
     _print(rows, days, secs, t_load, time.perf_counter() - t0)
-    if args.detail:
-        for (profile, sc, policy), results in per_trace.items():
-            print(f"[{profile}]" + detail(sc, policy, results))
+    for text in details if args.detail else ():
+        print(text)
     print(json.dumps(verdict(rows)))
 
 
