@@ -65,7 +65,15 @@ from ember.pools.replay import (
     standby_pool_config,
     table,
 )
-from ember.pools.simulator import PROFILES, SharedStandby, SimConfig, SimResult, catalogue, simulate
+from ember.pools.simulator import (
+    PROFILES,
+    SharedStandby,
+    SimConfig,
+    SimResult,
+    TierCost,
+    catalogue,
+    simulate,
+)
 from ember.pools.traces import (
     Trace,
     daily_step,
@@ -155,7 +163,7 @@ def _job(args: tuple[str, str, str, bool]) -> Job:
 
 
 def summarize(
-    results: list[SimResult], policy: str, tc: Any, spool: SharedStandby | None
+    results: list[SimResult], policy: str, tc: TierCost, spool: SharedStandby | None
 ) -> dict[str, float]:
     """One policy's row: its run's summary, or a catalogue's (its standby tier one shared
     pool, for policies that have one)."""
@@ -252,18 +260,16 @@ def main() -> None:
     with mp.get_context("fork").Pool(args.processes) as pool:
         done = pool.map(_job, jobs, chunksize=1)
     rows: Rows = {}
-    details: list[str] = []
     secs: dict[str, float] = {}
-    for profile, scenario, policy, row, text, sec in done:
+    for profile, scenario, policy, row, _, sec in done:
         rows.setdefault(profile, {}).setdefault(scenario, {})[policy] = row
-        details.append(text)
         secs[f"{profile}/{scenario}/{policy}"] = round(sec, 1)
     order = {p: i for i, p in enumerate(DENSE_POLICIES)}
     for by_scenario in rows.values():
         for sc, r in by_scenario.items():
             by_scenario[sc] = dict(sorted(r.items(), key=lambda kv: order.get(kv[0], 99)))
     _print(rows, days, secs, t_load, time.perf_counter() - t0)
-    for text in details if args.detail else ():
+    for text in (job[4] for job in done if job[4]):  # --detail
         print(text)
     print(json.dumps(verdict(rows)))
 

@@ -30,7 +30,9 @@ def test_a_served_api_freezes_its_start_up_objects(data_dir: Path, freeze: bool)
         gc.unfreeze()
 
 
-def test_ember_serve_asks_for_the_freeze(data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ember_serve_asks_for_the_freeze_and_a_short_switch_interval(
+    data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import uvicorn
 
     import ember.api.app

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import pickle
 import subprocess
 import sys
 from datetime import datetime, timedelta
@@ -103,3 +105,31 @@ def test_sparse_scenario_shares_one_causal_standby_pool(tmp_path: Path) -> None:
         assert verdict[f"{p}_sparse_cost_vs_knative"] > 0
     assert "promotion to hot: warm 0.6 s, standby 2.5 s, cold 8 s" in out.stdout
     assert "ember: largest" in out.stdout  # the shared pool's size and use are printed
+
+
+def test_a_worker_sends_back_figures_not_the_runs_arrays(tmp_path: Path) -> None:
+    # Over the whole dense trace, every run's per-request arrays sent to the parent at once
+    # were 19 GiB: a worker's answer is its row (and its --detail text) only.
+    spec = importlib.util.spec_from_file_location(
+        "bench_autoscale", ROOT / "bench" / "autoscale.py"
+    )
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rng = np.random.default_rng(1)
+    write_azure(
+        tmp_path / "azure-llm-2023" / "AzureLLMInferenceTrace_code.csv",
+        np.sort(rng.uniform(0, 600, 3000)),  # ~5 req/s for 10 minutes
+    )
+    bench.load(tmp_path, ("bursty",), {})
+    requests = len(bench._TRACES["bursty"][0])
+    for with_detail in (False, True):
+        profile, scenario, policy, row, text, seconds = bench._job(
+            ("cpu", "bursty", "ember", with_detail)
+        )
+        assert (profile, scenario, policy) == ("cpu", "bursty", "ember")
+        assert 0 <= row["over_slo_pct"] <= 100 and all(isinstance(v, float) for v in row.values())
+        assert ("bursty/ember: SLO misses" in text) is with_detail
+        assert seconds > 0
+        # a few hundred bytes of figures, not 8 bytes and more per request
+        assert len(pickle.dumps((row, text))) < requests
