@@ -65,11 +65,37 @@ class EngineMetrics:
         self.rejected = Counter(
             "ember_rejected", "Instances refused or dropped", [*names, "reason"], registry=r
         )
-        for p in Priority:
-            self.queue_depth.labels(**self.labels, priority=p.label).set(0)
+        # the series every request touches, bound once: ``labels()`` costs a few µs a
+        # call, and ten times that right after a forward pass has left the caches cold
+        # (measured: 0.12 ms for the four calls that close a batch on minilm)
+        self.inflight = self.inflight_units.labels(**self.labels)
+        self.passes = self.forward_passes.labels(**self.labels)
+        self.batches = self.batch_size.labels(**self.labels)
+        self.inferred = self.inferences.labels(**self.labels)
+        self._depth = {
+            p: self.queue_depth.labels(**self.labels, priority=p.label) for p in Priority
+        }
+        self._latency: dict[Priority, Any] = {}
+        self._queue_time: dict[Priority, Any] = {}
+        for gauge in self._depth.values():
+            gauge.set(0)
 
     def depth(self, priority: Priority, value: int) -> None:
-        self.queue_depth.labels(**self.labels, priority=priority.label).set(value)
+        self._depth[priority].set(value)
+
+    def answered(self, priority: Priority, latency_s: float, queue_s: float) -> None:
+        """A request of ``priority`` answered: its latency and its time queued (a class's
+        series appear with its first request)."""
+        latency = self._latency.get(priority)
+        if latency is None:
+            latency = self._latency[priority] = self.latency.labels(
+                **self.labels, priority=priority.label
+            )
+            self._queue_time[priority] = self.queue_time.labels(
+                **self.labels, priority=priority.label
+            )
+        latency.observe(latency_s)
+        self._queue_time[priority].observe(queue_s)
 
     def reject(self, reason: str, n: int = 1) -> None:
         self.rejected.labels(**self.labels, reason=reason).inc(n)

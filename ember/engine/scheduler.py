@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from queue import SimpleQueue
 from typing import Any
 
 from ember.domain.spec import BatchPolicy, Priority
@@ -52,7 +53,8 @@ class Scheduler:
         self.queues: dict[Priority, deque[Item]] = {p: deque() for p in Priority}
         self.inflight_units = 0.0
         self._wakeup = asyncio.Event()
-        self._compute = ThreadPoolExecutor(1, thread_name_prefix="ember-forward")
+        self._jobs: SimpleQueue[_Job | None] = SimpleQueue()
+        self._compute: threading.Thread | None = None
         self._gap_s = float("inf")  # EWMA of the time between arrivals (requests, not probes)
         self._last_arrival: float | None = None
         self._free_since = 0.0
@@ -128,9 +130,11 @@ class Scheduler:
         self._wakeup.set()
         started = time.monotonic()
         try:
-            results = await asyncio.wait_for(
-                asyncio.gather(*(i.future for i in items)), timeout=timeout_s
-            )
+            async with asyncio.timeout(timeout_s):  # one wake-up when answered, not three
+                if len(items) == 1:
+                    results = [await items[0].future]
+                else:
+                    results = await asyncio.gather(*(i.future for i in items))
         except TimeoutError:
             raise DeadlineExceeded(
                 f"no answer within the {timeout_s * 1000:.0f} ms deadline",
@@ -140,17 +144,13 @@ class Scheduler:
             for item in items:  # a caller that gave up must not be computed for
                 if not item.future.done():
                     item.future.cancel()
-        self.metrics.latency.labels(**self.metrics.labels, priority=priority.label).observe(
-            time.monotonic() - started
-        )
+        resumed = time.monotonic()
         queue_s = max(i.dispatched - i.enqueued for i in items)
-        self.metrics.queue_time.labels(**self.metrics.labels, priority=priority.label).observe(
-            queue_s
-        )
+        self.metrics.answered(priority, resumed - started, queue_s)
         if timing is not None:
             timing["queue_s"] = queue_s
-            timing.update(_segments(max(items, key=lambda i: i.forward[1]), time.monotonic()))
-        return list(results)
+            timing.update(_segments(max(items, key=lambda i: i.forward[1]), resumed))
+        return results
 
     def _arrived(self, now: float) -> None:
         if self._last_arrival is not None:
@@ -175,7 +175,7 @@ class Scheduler:
 
     def _account(self, priority: Priority, units: float) -> None:
         self.inflight_units += units
-        self.metrics.inflight_units.labels(**self.metrics.labels).set(self.inflight_units)
+        self.metrics.inflight.set(self.inflight_units)
         self.metrics.depth(priority, len(self.queues[priority]))
 
     @property
@@ -185,6 +185,8 @@ class Scheduler:
     # --- batching -------------------------------------------------------------------
 
     def start(self) -> None:
+        self._compute = threading.Thread(target=self._work, name="ember-forward", daemon=True)
+        self._compute.start()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="ember-batcher")
 
     async def stop(self) -> None:
@@ -192,7 +194,7 @@ class Scheduler:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        self._compute.shutdown(wait=False, cancel_futures=True)
+        self._jobs.put(None)  # the thread ends after the pass it may be running
 
     async def _run(self) -> None:
         continuous = self.engine.aforward is not None
@@ -286,7 +288,9 @@ class Scheduler:
                 outputs = await self.engine.aforward(values)
                 span = (began, time.monotonic())
             else:
-                outputs, span = await loop.run_in_executor(self._compute, self._timed, values)
+                answer: asyncio.Future[tuple[list[Any], tuple[float, float]]] = loop.create_future()
+                self._jobs.put((values, loop, answer))
+                outputs, span = await answer
             for item in batch:
                 item.forward = span
             if len(outputs) != len(batch):
@@ -296,11 +300,24 @@ class Scheduler:
         else:
             self._finish(batch, outputs)
 
-    def _timed(self, values: list[Any]) -> tuple[list[Any], tuple[float, float]]:
-        """The forward pass in the compute thread, and when it ran there."""
-        began = time.monotonic()
-        outputs = self.engine.forward(values)
-        return outputs, (began, time.monotonic())
+    def _work(self) -> None:
+        """The compute thread: one forward pass at a time, each answered on the loop with
+        one ``call_soon_threadsafe``. Not a ``ThreadPoolExecutor``: its work items, its
+        lock-and-condition queue and the future chained onto the loop's cost two more
+        wake-ups per pass (measured on an idle core here: 0.19 + 0.21 ms to the thread
+        and back, against 0.07 + 0.13 ms with a ``SimpleQueue`` and one callback)."""
+        while (job := self._jobs.get()) is not None:
+            values, loop, answer = job
+            began = time.monotonic()
+            try:
+                outputs = self.engine.forward(values)
+            except Exception as exc:  # the batch's error; the thread lives on
+                _answer_on(loop, answer, exc)
+            except BaseException as exc:  # a model's sys.exit() must not end the batcher
+                _answer_on(loop, answer, EngineError(f"the model raised {type(exc).__name__}"))
+            else:
+                _answer_on(loop, answer, (outputs, (began, time.monotonic())))
+            del job, values, answer  # drop the batch's references before waiting again
 
     async def _isolate(self, batch: list[Item], exc: Exception) -> None:
         """One bad instance must not fail its batch-mates: retry them one by one."""
@@ -328,10 +345,30 @@ class Scheduler:
                 item.future.set_result(output)
         done = counted or batch
         self.inflight_units -= sum(self._units(i) for i in done)
-        self.metrics.inflight_units.labels(**self.metrics.labels).set(max(0.0, self.inflight_units))
-        self.metrics.forward_passes.labels(**self.metrics.labels).inc()
-        self.metrics.batch_size.labels(**self.metrics.labels).observe(len(done))
-        self.metrics.inferences.labels(**self.metrics.labels).inc(len(done))
+        self.metrics.inflight.set(max(0.0, self.inflight_units))
+        self.metrics.passes.inc()
+        self.metrics.batches.observe(len(done))
+        self.metrics.inferred.inc(len(done))
+
+
+_Job = tuple[
+    list[Any], asyncio.AbstractEventLoop, "asyncio.Future[tuple[list[Any], tuple[float, float]]]"
+]
+
+
+def _answer_on(loop: asyncio.AbstractEventLoop, answer: asyncio.Future[Any], outcome: Any) -> None:
+    """Resolve ``answer`` on its loop (from the compute thread): ``outcome``, or raise it."""
+
+    def resolve() -> None:
+        if answer.done():  # its dispatch was cancelled (the scheduler stopped)
+            return
+        if isinstance(outcome, BaseException):
+            answer.set_exception(outcome)
+        else:
+            answer.set_result(outcome)
+
+    with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
+        loop.call_soon_threadsafe(resolve)
 
 
 def _segments(item: Item, resumed: float) -> dict[str, float]:
