@@ -10,7 +10,7 @@ Cost per success (``ember_cost_*``) is read at scrape time from the shared ledge
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -218,6 +218,10 @@ class PoolMetrics:
         """Replica id -> the monotonic time its replica-seconds were counted up to."""
         self._starts_counted: set[str] = set()
         """Replicas (assigned standby processes) whose start was counted for the ledger."""
+        self._answers: dict[tuple[str, ...], tuple[Any, Any, Any]] = {}
+        """(tenant, deployment, model, version) -> the ``ok`` counter, latency and queue
+        time children ``answered`` touches: bound once, not three ``labels()`` lookups on
+        every answer's path (these series are never removed)."""
 
     def use_costs(self, costs: CostLedger) -> None:
         """Share cost counts through ``costs`` (a Redis-backed ledger) from now on."""
@@ -264,12 +268,20 @@ class PoolMetrics:
     ) -> None:
         """One answer from a replica: an ``ok`` outcome, a success (cost per success), its
         end-to-end latency and, where the replica reported it, its time in the queue."""
-        labels = self.of(view)
-        self.requests.labels(*labels, version, "ok").inc()
-        self.success(*labels, version)
-        self.latency.labels(*labels, version).observe(latency_s)
+        key = (*self.of(view), version)
+        children = self._answers.get(key)
+        if children is None:
+            children = self._answers[key] = (
+                self.requests.labels(*key, "ok"),
+                self.latency.labels(*key),
+                self.queue_time.labels(*key),
+            )
+        ok, latency, queue_time = children
+        ok.inc()
+        self.success(*key)
+        latency.observe(latency_s)
         if queue_s is not None:
-            self.queue_time.labels(*labels, version).observe(queue_s)
+            queue_time.observe(queue_s)
 
     def rung(self, view: DeploymentView, version: str, rung: str) -> None:
         """One answer from a rung of the degradation ladder."""
