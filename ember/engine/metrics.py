@@ -75,8 +75,7 @@ class EngineMetrics:
         self._depth = {
             p: self.queue_depth.labels(**self.labels, priority=p.label) for p in Priority
         }
-        self._latency: dict[Priority, Any] = {}
-        self._queue_time: dict[Priority, Any] = {}
+        self._answered: dict[Priority, tuple[Any, Any]] = {}  # latency, queue time
         for gauge in self._depth.values():
             gauge.set(0)
 
@@ -86,16 +85,15 @@ class EngineMetrics:
     def answered(self, priority: Priority, latency_s: float, queue_s: float) -> None:
         """A request of ``priority`` answered: its latency and its time queued (a class's
         series appear with its first request)."""
-        latency = self._latency.get(priority)
-        if latency is None:
-            latency = self._latency[priority] = self.latency.labels(
-                **self.labels, priority=priority.label
+        children = self._answered.get(priority)
+        if children is None:
+            labels = self.labels | {"priority": priority.label}
+            children = self._answered[priority] = (
+                self.latency.labels(**labels),
+                self.queue_time.labels(**labels),
             )
-            self._queue_time[priority] = self.queue_time.labels(
-                **self.labels, priority=priority.label
-            )
-        latency.observe(latency_s)
-        self._queue_time[priority].observe(queue_s)
+        children[0].observe(latency_s)
+        children[1].observe(queue_s)
 
     def reject(self, reason: str, n: int = 1) -> None:
         self.rejected.labels(**self.labels, reason=reason).inc(n)

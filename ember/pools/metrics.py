@@ -218,7 +218,7 @@ class PoolMetrics:
         """Replica id -> the monotonic time its replica-seconds were counted up to."""
         self._starts_counted: set[str] = set()
         """Replicas (assigned standby processes) whose start was counted for the ledger."""
-        self._answers: dict[tuple[str, ...], tuple[Any, Any, Any]] = {}
+        self._answers: dict[tuple[str, ...], list[Any]] = {}
         """(tenant, deployment, model, version) -> the ``ok`` counter, latency and queue
         time children ``answered`` touches: bound once, not three ``labels()`` lookups on
         every answer's path (these series are never removed)."""
@@ -271,17 +271,18 @@ class PoolMetrics:
         key = (*self.of(view), version)
         children = self._answers.get(key)
         if children is None:
-            children = self._answers[key] = (
+            children = self._answers[key] = [
                 self.requests.labels(*key, "ok"),
                 self.latency.labels(*key),
-                self.queue_time.labels(*key),
-            )
-        ok, latency, queue_time = children
-        ok.inc()
+                None,  # the queue series appears with the first queue time reported
+            ]
+        children[0].inc()
         self.success(*key)
-        latency.observe(latency_s)
+        children[1].observe(latency_s)
         if queue_s is not None:
-            queue_time.observe(queue_s)
+            if children[2] is None:
+                children[2] = self.queue_time.labels(*key)
+            children[2].observe(queue_s)
 
     def rung(self, view: DeploymentView, version: str, rung: str) -> None:
         """One answer from a rung of the degradation ladder."""
