@@ -79,6 +79,7 @@ def _run_api(
 
     from ember.api.app import create_app, prepare
     from ember.config import SWITCH_INTERVAL_S
+    from ember.web.http import http_protocol
 
     engine, generated = prepared or prepare(settings)
     url = f"http://{settings.host}:{settings.port}"
@@ -96,4 +97,4 @@ def _run_api(
     # (the prediction log's digests, the controller's registry reads): SWITCH_INTERVAL_S.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     uvicorn.run(api, host=settings.host, port=settings.port, log_config=None, access_log=False,
-                reload=reload)  # fmt: skip
+                reload=reload, http=http_protocol(), server_header=False)  # fmt: skip

@@ -423,3 +423,25 @@ def test_ctrl_c_stops_ember_ups_redis_worker_and_beat(tmp_path: Path) -> None:
     assert not answers_with(port, password)
     left = [pid for pid in running if _alive(pid)]
     assert not left, f"processes of ember up still running: {left}"
+
+
+# --- what an answer says of the server ------------------------------------------------
+
+
+def test_no_answer_names_the_server_software(platform: SecurityPlatform) -> None:
+    """uvicorn's ``server: uvicorn`` on every answer told a caller what runs behind the
+    API and its replicas: neither sends it (answers, problems and a replica's probes)."""
+    alice = platform.client(platform.alice.key)
+    answers = [
+        alice.post(f"/v1/models/{platform.alice.model}:predict", json={"instances": [X]}),
+        alice.get("/v1/models/no-such-model"),
+        platform.client(None).get("/v1/models"),
+        alice.post(f"/v1/models/{platform.alice.model}:predict", content=b"{not json"),
+    ]
+    assert [a.status_code for a in answers] == [200, 404, 401, 400]
+    replicas = alice.get(f"/v1/deployments/{platform.alice.deployment}/replicas").json()
+    url = next(r["url"] for r in replicas["replicas"] if r["state"] == "ready")
+    answers.append(httpx.get(f"{url}/readyz", timeout=10))
+    assert answers[-1].status_code == 200
+    for answer in answers:
+        assert "server" not in answer.headers, (answer.request.url, answer.headers)
