@@ -55,6 +55,10 @@ def engine(
     reserve_bytes: Annotated[
         int, typer.Option(min=0, help="Standby on CPU: host memory to fault in for the weights.")
     ] = 0,
+    parent_pid: Annotated[
+        int | None,
+        typer.Option(help="Stop once this process is no longer the parent (the API's pools)."),
+    ] = None,
 ) -> None:
     """Run one replica of one model version (or a standby process) on HOST:PORT.
 
@@ -71,6 +75,12 @@ def engine(
             "a loopback address (--host 127.0.0.1)[/red]"
         )
         raise typer.Exit(2)
+    if parent_pid is not None:  # an API killed outright (SIGKILL, OOM) leaves no replica
+        import threading
+
+        from ember.work.process import watch_parent
+
+        threading.Thread(target=watch_parent, args=(parent_pid,), daemon=True).start()
     budget = cpu_budget(override=threads)
     apply_thread_limits(budget)  # before torch is imported: OpenMP reads it once
     settings = load_settings()

@@ -1,5 +1,6 @@
 """The plumbing of Ember's worker processes (``ember worker``, ``ember beat``): wait for the
-registry's schema, stop when the parent is gone, and a supervisor that restarts a child.
+registry's schema, stop when the parent is gone (replicas started by the API's pools too:
+imported there, so nothing heavy at import time), and a supervisor that restarts a child.
 """
 
 from __future__ import annotations
@@ -10,17 +11,21 @@ import subprocess
 import sys
 import threading
 import time
-
-from sqlalchemy import Engine, inspect
+from typing import TYPE_CHECKING
 
 from ember.errors import CapacityError
 from ember.logs import get_logger
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
 
 log = get_logger(__name__)
 
 
 def wait_for_schema(engine: Engine, timeout_s: float = 60.0) -> None:
     """The API migrates the registry; a worker started beside it waits for the jobs table."""
+    from sqlalchemy import inspect
+
     deadline = time.monotonic() + timeout_s
     while True:
         try:

@@ -10,6 +10,7 @@ running by a Ctrl-C.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import re
@@ -423,6 +424,51 @@ def test_ctrl_c_stops_ember_ups_redis_worker_and_beat(tmp_path: Path) -> None:
     assert not answers_with(port, password)
     left = [pid for pid in running if _alive(pid)]
     assert not left, f"processes of ember up still running: {left}"
+
+
+def test_replicas_do_not_outlive_an_api_killed_outright(tmp_path: Path) -> None:
+    """An API killed with SIGKILL (or by the OOM killer) ran no shutdown: its replicas —
+    ``ember engine`` processes in their own sessions, a loaded model each — ran on,
+    holding memory and ports, and the next API started new ones beside them. Each now
+    watches the API that started it (``--parent-pid``) and stops once it is gone."""
+    env = {
+        "EMBER_DATA_DIR": str(tmp_path / "data"),
+        "EMBER_PORT": str(services.free_port()),
+        "EMBER_POOLS_ENABLED": "true",
+        "EMBER_STANDBY_REPLICAS": "1",  # one replica process, no model needed
+    }
+    full = {k: v for k, v in os.environ.items() if not k.startswith("EMBER_")} | env
+    proc = subprocess.Popen([EMBER, "serve"], env=full, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    marker = f"--parent-pid\0{proc.pid}\0".encode()
+
+    def replicas() -> list[int]:
+        return [pid for pid, cmd in _cmdlines().items()
+                if b"engine" in cmd and marker in cmd and _alive(pid)]  # fmt: skip
+
+    started: list[int] = []
+    try:
+        services.wait_until(lambda: bool(replicas()), 120, "the standby replica")
+        started = replicas()
+        args = _cmdlines()[started[0]].split(b"\0")
+        url = f"http://127.0.0.1:{int(args[args.index(b'--port') + 1])}/healthz"
+
+        def serving() -> bool:
+            with contextlib.suppress(httpx.HTTPError):
+                return httpx.get(url, timeout=2).status_code == 200
+            return False
+
+        services.wait_until(serving, 120, "the standby replica to serve")  # torch and all
+        proc.kill()
+        proc.wait(10)
+        services.wait_until(lambda: not replicas(), 30, "the replica to stop")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        for pid in started:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 # --- what an answer says of the server ------------------------------------------------

@@ -357,7 +357,8 @@ class LocalProcessBackend(ReplicaBackend):
         """Start the process on ``devices`` (none: the CPU, no device visible at all, the
         API's own ``CUDA_VISIBLE_DEVICES`` notwithstanding). Called under the lock."""
         handle, port = prepared.handle, _free_port()
-        cmd = [str(prepared.exe), "engine", "--port", str(port), *prepared.args]
+        cmd = [str(prepared.exe), "engine", "--port", str(port), *prepared.args,
+               "--parent-pid", str(os.getpid())]  # fmt: skip
         if devices:
             cmd += ["--device", "cuda"]
         env = prepared.env | {CUDA_VISIBLE: ",".join(g.id for g in devices)}
