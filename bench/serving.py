@@ -73,6 +73,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import gc
 import hashlib
 import json
@@ -1749,8 +1750,10 @@ def _clean(v: Any) -> Any:
 # --- main -----------------------------------------------------------------------------
 
 
+@functools.cache
 def ember_tree() -> str:
-    """The commit measured, and how many files under ember/ differ from it."""
+    """The commit measured, and how many files under ember/ differ from it — as the run
+    began (``main`` asks first), not after an edit made while it ran."""
     try:
         head = subprocess.run(
             ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
@@ -1833,6 +1836,7 @@ def main() -> None:
         sys.exit("wrk is not installed: `apt-get install wrk` (or `make bench-serving`)")
     if not shutil.which("taskset"):
         sys.exit("taskset is not installed (util-linux)")
+    ember_tree()  # the tree measured: what it is now, whatever is edited meanwhile
     work = Path(tempfile.mkdtemp(prefix="ember-bench-serving-"))
     ctx = Ctx(args, work, model_dir(), args.cache_dir.resolve(), ROOT / "bench" / "out" / "serving")
     if args.install_only:
