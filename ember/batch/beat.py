@@ -164,10 +164,9 @@ def run_beat(settings: Settings, parent_pid: int | None = None) -> None:
     beat = Beat(settings, engine, make_celery(settings))
     signal.signal(signal.SIGTERM, lambda *_: beat.stop.set())
     signal.signal(signal.SIGINT, lambda *_: beat.stop.set())
-    if parent_pid is not None:
-        from ember.work.process import watch_parent
+    from ember.work.process import stop_with_parent
 
-        threading.Thread(target=watch_parent, args=(parent_pid,), daemon=True).start()
+    stop_with_parent(parent_pid)
     beat.run_forever(redis_lib.Redis.from_url(broker_url(settings)))
 
 

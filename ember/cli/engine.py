@@ -75,12 +75,9 @@ def engine(
             "a loopback address (--host 127.0.0.1)[/red]"
         )
         raise typer.Exit(2)
-    if parent_pid is not None:  # an API killed outright (SIGKILL, OOM) leaves no replica
-        import threading
+    from ember.work.process import stop_with_parent
 
-        from ember.work.process import watch_parent
-
-        threading.Thread(target=watch_parent, args=(parent_pid,), daemon=True).start()
+    stop_with_parent(parent_pid)  # an API killed outright (SIGKILL, OOM) leaves no replica
     budget = cpu_budget(override=threads)
     apply_thread_limits(budget)  # before torch is imported: OpenMP reads it once
     settings = load_settings()

@@ -45,7 +45,7 @@ from ember.registry.db import make_engine
 from ember.registry.tables import Job
 from ember.work.client import api_url, worker_id
 from ember.work.lease import Heartbeat
-from ember.work.process import Supervisor, wait_for_schema, watch_parent
+from ember.work.process import Supervisor, stop_with_parent, wait_for_schema
 from ember.work.queue import QUEUE, make_celery
 
 log = get_logger(__name__)
@@ -103,8 +103,7 @@ def run_worker(
     a worker that ``ember up`` started never outlives it. ``task_sets``: what else the
     worker serves besides jobs; the caller (``ember worker``) passes the batch shards',
     so jobs never import batch."""
-    if parent_pid is not None:
-        threading.Thread(target=watch_parent, args=(parent_pid,), daemon=True).start()
+    stop_with_parent(parent_pid)
     traced = tracing.setup(settings, "ember-worker")  # EMBER_OTEL_ENDPOINT
     celery, runner, sweeper, leases = build(settings)
     alive = threading.Event()

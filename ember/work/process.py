@@ -39,7 +39,17 @@ def wait_for_schema(engine: Engine, timeout_s: float = 60.0) -> None:
         time.sleep(0.5)
 
 
-def watch_parent(parent: int) -> None:
+def stop_with_parent(parent: int | None) -> None:
+    """With a ``parent`` pid: SIGTERM this process once that one is no longer its parent
+    (``ember up`` or the API killed outright ran no shutdown), watched from a daemon
+    thread. None: nothing to watch."""
+    if parent is not None:
+        watch = threading.Thread(target=_watch_parent, args=(parent,), name="ember-parent")
+        watch.daemon = True
+        watch.start()
+
+
+def _watch_parent(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(1.0)
     log.warning("the parent process is gone; stopping", parent=parent)
