@@ -145,7 +145,7 @@ def _serve_replica(
         from ember.engine.server import create_replica_app
         from ember.engine.threads import apply_thread_limits
         from ember.logs import bind_process, configure_logging, get_logger
-        from ember.web.http import http_protocol
+        from ember.web.http import SERVER_OPTIONS
 
         configure_logging(settings.log_level, settings.log_format)
         import torch  # noqa: F401 - the runtime, before serving (standby = warm imports)
@@ -177,10 +177,7 @@ def _serve_replica(
         create_replica_app(replica, spec, secret),
         host=host,
         port=port,
-        log_config=None,
-        access_log=False,
-        http=http_protocol(),  # head and body in one write
-        server_header=False,  # no `server: uvicorn` on its answers
+        **SERVER_OPTIONS,
     )
 
 

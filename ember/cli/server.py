@@ -79,7 +79,7 @@ def _run_api(
 
     from ember.api.app import create_app, prepare
     from ember.config import SWITCH_INTERVAL_S
-    from ember.web.http import http_protocol
+    from ember.web.http import SERVER_OPTIONS
 
     engine, generated = prepared or prepare(settings)
     url = f"http://{settings.host}:{settings.port}"
@@ -96,5 +96,4 @@ def _run_api(
     # The event loop must not wait 5 ms for the GIL behind a thread's pure Python
     # (the prediction log's digests, the controller's registry reads): SWITCH_INTERVAL_S.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    uvicorn.run(api, host=settings.host, port=settings.port, log_config=None, access_log=False,
-                reload=reload, http=http_protocol(), server_header=False)  # fmt: skip
+    uvicorn.run(api, host=settings.host, port=settings.port, reload=reload, **SERVER_OPTIONS)

@@ -13,7 +13,8 @@ first byte, and each of the two processes spent 0.10-0.14 ms in its two writes.
 ``write``. An app that sends the head and then waits (a stream whose first chunk is slow)
 still has its head on the wire on the loop's next turn. Everything else is uvicorn's own
 code: the cycle's ``send`` runs unchanged against a stand-in transport that collects what
-it would have written (``close`` included, done after the write).
+it would have written (``close`` included, done after the write). ``SERVER_OPTIONS`` is
+how every Ember server runs uvicorn (the API, ``ember engine``).
 """
 
 from __future__ import annotations
@@ -21,10 +22,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-try:
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
-except ImportError:  # pragma: no cover - uvicorn[standard] brings httptools
-    HttpToolsProtocol = None  # type: ignore[assignment,misc]
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 
 class _Collected:
@@ -47,49 +45,54 @@ class _Collected:
         return getattr(self.real, name)
 
 
-if HttpToolsProtocol is not None:
+class _Cycle(RequestResponseCycle):
+    """A cycle whose head waits for the body (``_held``), or the loop's next turn."""
 
-    class _Cycle(RequestResponseCycle):
-        """A cycle whose head waits for the body (``_held``), or the loop's next turn."""
+    _held: bytes | None = None
 
-        _held: bytes | None = None
+    async def send(self, message: Any) -> None:
+        if self.response_started and self._held is None:  # a stream's later chunks
+            await super().send(message)
+            return
+        starting = not self.response_started
+        real = self.transport
+        collected = _Collected(real)
+        self.transport = collected  # type: ignore[assignment]
+        try:
+            await super().send(message)
+        finally:
+            self.transport = real
+        data = b"".join(collected.data)
+        if starting and self.response_started:  # the head: held for the body
+            self._held = data
+            asyncio.get_running_loop().call_soon(self._flush)
+        elif self._held is not None:
+            data, self._held = self._held + data, None
+        if data and self._held is None and not self.disconnected and not real.is_closing():
+            real.write(data)
+        if collected.closing:
+            real.close()
 
-        async def send(self, message: Any) -> None:
-            starting = not self.response_started
-            real = self.transport
-            collected = _Collected(real)
-            self.transport = collected  # type: ignore[assignment]
-            try:
-                await super().send(message)
-            finally:
-                self.transport = real
-            data = b"".join(collected.data)
-            if starting and self.response_started:  # the head: held for the body
-                self._held = data
-                asyncio.get_running_loop().call_soon(self._flush)
-            elif self._held is not None:
-                data, self._held = self._held + data, None
-            if data and self._held is None and not self.disconnected and not real.is_closing():
-                real.write(data)
-            if collected.closing:
-                real.close()
-
-        def _flush(self) -> None:
-            """The head alone, when no body followed it in the same turn of the loop."""
-            held, self._held = self._held, None
-            if held and not self.disconnected and not self.transport.is_closing():
-                self.transport.write(held)
-
-    class CoalescingProtocol(HttpToolsProtocol):
-        """uvicorn's httptools protocol whose cycles answer in one write (``_Cycle``)."""
-
-        def on_headers_complete(self) -> None:
-            super().on_headers_complete()
-            if type(self.cycle) is RequestResponseCycle:
-                self.cycle.__class__ = _Cycle
+    def _flush(self) -> None:
+        """The head alone, when no body followed it in the same turn of the loop."""
+        held, self._held = self._held, None
+        if held and not self.disconnected and not self.transport.is_closing():
+            self.transport.write(held)
 
 
-def http_protocol() -> Any:
-    """What to give ``uvicorn.run(http=...)``: ``CoalescingProtocol``, or uvicorn's own
-    choice where httptools is missing."""
-    return CoalescingProtocol if HttpToolsProtocol is not None else "auto"
+class CoalescingProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol whose cycles answer in one write (``_Cycle``)."""
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        if type(self.cycle) is RequestResponseCycle:
+            self.cycle.__class__ = _Cycle
+
+
+SERVER_OPTIONS: dict[str, Any] = {
+    "http": CoalescingProtocol,  # head and body in one write
+    "server_header": False,  # no `server: uvicorn` on any answer
+    "log_config": None,  # Ember's logging (ember.logs), not uvicorn's
+    "access_log": False,
+}
+"""``uvicorn.run(app, host=..., port=..., **SERVER_OPTIONS)``: how every Ember server runs."""

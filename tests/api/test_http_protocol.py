@@ -13,7 +13,7 @@ from typing import Any
 import uvicorn
 from uvicorn.server import ServerState
 
-from ember.web.http import CoalescingProtocol, http_protocol
+from ember.web.http import SERVER_OPTIONS, CoalescingProtocol
 
 REQUEST = b"GET /x HTTP/1.1\r\nHost: t\r\n\r\n"
 
@@ -156,9 +156,9 @@ def test_a_real_server_answers_keep_alive_requests_in_one_segment_each() -> None
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    assert http_protocol() is CoalescingProtocol
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None,
-                                           http=http_protocol(), lifespan="off"))  # fmt: skip
+    assert SERVER_OPTIONS["http"] is CoalescingProtocol  # what ember serve / engine run
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off",
+                                           **SERVER_OPTIONS))  # fmt: skip
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -176,6 +176,7 @@ def test_a_real_server_answers_keep_alive_requests_in_one_segment_each() -> None
                     got += chunk
                 head, body = head_and_body(got)
                 assert head.startswith(b"HTTP/1.1 200") and body == path
+                assert b"\r\nserver:" not in head  # SERVER_OPTIONS: no banner
     finally:
         server.should_exit = True
         thread.join(10)
