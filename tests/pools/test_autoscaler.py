@@ -6,6 +6,7 @@ import math
 from dataclasses import replace
 
 import numpy as np
+import pytest
 import structlog
 
 from ember.pools.autoscaler import (
@@ -16,6 +17,7 @@ from ember.pools.autoscaler import (
     TierCounts,
     decide,
     ember_autoscaler,
+    release_hold,
 )
 from ember.registry.schemas import PoolPolicy
 from tests.pools.conftest import CAP, obs
@@ -251,6 +253,39 @@ def test_the_burst_guard_follows_its_own_decay_not_the_stabilization_window() ->
     # 35 s after, not 60 -- plus the release hold: 5 warm promotions (2 s) = 10 s.
     assert after[44].desired.hot <= 2 < burst[-1].desired.hot
     assert after[-1].desired.hot == 1
+
+
+def test_the_release_hold_follows_how_bursty_the_demand_is() -> None:
+    # Dedicated GPUs, cold start 30 s. Demand the forecast tracks (20 u/s with a little
+    # noise: burstiness ~0.1) holds its hot count for the stabilization window (60 s;
+    # release_hold_smooth = 1 cold start is less), not release_hold cold starts (150 s):
+    # the most the noise asked for in the last 150 s is hot time for nothing. Bursty
+    # demand (60 u/s for 20 s a minute, burstiness ~1) keeps the long hold: there a
+    # release is soon undone.
+    dedicated = EmberConfig(max_replicas=50, warm_cost=1.0, standby_cost=1.0)
+    fixed = replace(dedicated, release_hold_smooth=dedicated.release_hold)
+    rng = np.random.default_rng(7)
+    smooth = list(20.0 + rng.normal(0.0, 2.0, 3000))
+    bursty = list(np.where(np.arange(3000) % 60 < 20, 60.0, 0.0))  # 20 s on, 40 s off
+
+    def hot_seconds(cfg: EmberConfig, demand: list[float]) -> tuple[int, list[float]]:
+        out = run(cfg, demand)[600:]
+        return sum(d.desired.hot for d in out), [d.state.forecaster.burstiness for d in out]
+
+    scaled, seen = hot_seconds(dedicated, smooth)
+    assert max(seen) < dedicated.smooth_cv
+    assert scaled < hot_seconds(fixed, smooth)[0]
+    scaled, seen = hot_seconds(dedicated, bursty)
+    assert min(seen) > dedicated.bursty_cv
+    assert scaled == hot_seconds(fixed, bursty)[0]
+    # In between, in proportion.
+    fc = run(dedicated, smooth)[-1].state.forecaster
+    middle = (dedicated.smooth_cv + dedicated.bursty_cv) / 2
+    level = 10.0
+    half = replace(fc, level=level, spread=(middle * level) ** 2)
+    assert release_hold(half, dedicated) == pytest.approx(
+        (dedicated.release_hold + dedicated.release_hold_smooth) / 2
+    )
 
 
 def test_capacity_is_held_for_as_long_as_bringing_it_back_costs() -> None:
