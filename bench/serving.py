@@ -1845,6 +1845,9 @@ def main() -> None:
         return
     load0 = os.getloadavg()
     began = time.monotonic()
+    # SIGTERM (a CI timeout, `kill`) tears the servers down as Ctrl-C does: without this
+    # the peers, each in its own process group, outlived a killed run.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         with pinned_generator():
             results = measure_all(ctx, reference_vectors(ctx))
